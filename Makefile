@@ -1,0 +1,17 @@
+# The README's two commands. Each sets up a fresh machine first (idempotent, fast when done).
+VENV ?= .venv
+export PDSERVE_VENV := $(VENV)
+
+.PHONY: install run test bench
+
+install:
+	bash deploy/install.sh
+
+run: install
+	$(VENV)/bin/pdserve demo
+
+test: install
+	$(VENV)/bin/python -m pytest -q
+
+bench: install
+	$(VENV)/bin/python -m bench.disagg_vs_colocated

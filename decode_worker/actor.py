@@ -1,0 +1,19 @@
+"""The decode worker as a Ray actor; `generate` is a Ray streaming generator."""
+
+from __future__ import annotations
+
+import ray
+
+from decode_worker.worker import DecodeWorker
+from kv_transfer.connector_config import TransferConfig, pick_side_channel
+from vllm_engine.config import EngineConfig
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class DecodeActor(DecodeWorker):
+    def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
+        channel = pick_side_channel(ray.util.get_node_ip_address()) if transfer else None
+        super().__init__(name, engine_config, transfer, channel)
+
+    def ready(self) -> str:
+        return self.engine_id

@@ -1,0 +1,79 @@
+"""One vLLM engine in the KV-consumer role (or a plain colocated engine without transfer).
+
+`generate(request, handle)` pulls the request's attention blocks and DeltaNet state from the
+producer named in the handle (NixlConnector READ), then decodes; every engine step advances
+all running requests together. Without a handle the engine prefills the prompt itself,
+which is also how the colocated baseline runs (`transfer=None`: no connector at all).
+"""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
+from kv_transfer.handle import TransferHandle
+from kv_transfer.progress_thread import set_nixl_progress_thread
+from vllm_engine.config import EngineConfig
+from vllm_engine.loop import EngineLoad, EngineLoop
+from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
+
+
+class TransferFailedError(RuntimeError):
+    """Decode could not load the request's state from its producer."""
+
+
+class DecodeWorker:
+    def __init__(
+        self,
+        name: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig | None,
+        channel: SideChannel | None = None,
+    ) -> None:
+        self.name = name
+        self._transfer = transfer
+        if transfer is None:
+            self.engine_id = f"colocated-{name}"
+            self._loop = EngineLoop.start(engine_config)
+        else:
+            if channel is None:
+                raise ValueError("a decode worker with KV transfer needs a NIXL side channel")
+            self.engine_id = engine_id_for(Role.DECODE, name, channel)
+            set_nixl_progress_thread(transfer.nixl_progress_thread)
+            self._loop = EngineLoop.start(
+                engine_config, transfer.kv_transfer_config(Role.DECODE, self.engine_id), channel.process_env()
+            )
+        self.limits: ModelLimits = self._loop.limits
+
+    async def generate(
+        self, request: GenerateRequest, handle: TransferHandle | None = None
+    ) -> AsyncIterator[TokenChunk]:
+        """Stream the request's tokens. The first chunk holds the first real token."""
+        from vllm.sampling_params import RequestOutputKind
+
+        request.validate(self.limits)
+        extra_args = None
+        if handle is not None:
+            if self._transfer is None:
+                raise ValueError(f"{self.name} is a colocated engine and cannot load transferred state")
+            handle.check_usable(self._transfer.handle_margin_s)
+            extra_args = {"kv_transfer_params": handle.connector_params}
+        params = request.sampling.to_vllm(output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
+        async for output in self._loop.generate(request.request_id, list(request.prompt_token_ids), params):
+            completion = output.outputs[0]
+            if completion.finish_reason == "error":
+                raise TransferFailedError(
+                    f"request {request.request_id}: decode could not load its KV blocks / DeltaNet "
+                    f"state from {handle.engine_id if handle else 'its producer'} "
+                    "(producer gone, blocks expired or handle invalid)"
+                )
+            yield TokenChunk(tuple(completion.token_ids), completion.text, completion.finish_reason)
+
+    def load(self) -> EngineLoad:
+        return self._loop.load()
+
+    def model_limits(self) -> ModelLimits:
+        return self.limits
+
+    def shutdown(self) -> None:
+        self._loop.shutdown()

@@ -1,0 +1,85 @@
+"""NixlConnector configuration for each role, from one typed `TransferConfig`.
+
+Which mechanisms are vLLM's and which are ours:
+- vLLM NixlConnector (configured here): NIXL handshake with a compatibility hash, READ of
+  attention blocks and DeltaNet state slots, the producer-side lease on finished requests
+  (`kv_lease_duration`, extended by decode heartbeats), `kv_load_failure_policy`.
+- ours: unique engine ids and side-channel ports per worker (many workers per host), the
+  NIXL progress-thread setting (`kv_transfer.progress_thread`), handle expiry checks and
+  byte accounting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Literal
+
+from vllm_engine.config import HYBRID_TRANSFER_ENV
+
+
+class Role(str, Enum):
+    PREFILL = "kv_producer"
+    DECODE = "kv_consumer"
+
+
+@dataclass(frozen=True, slots=True)
+class TransferConfig:
+    # "cpu": KV buffers in host memory (UCX over shared memory/TCP); "cuda": GPU memory (RDMA).
+    kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
+    # Producer holds a finished request's blocks this long unless decode confirms the read;
+    # decode heartbeats extend it while a pull is in progress (vLLM's lease).
+    lease_s: int = 30
+    # What decode does when it cannot load the blocks: fail the request, or prefill locally.
+    load_failure_policy: Literal["fail", "recompute"] = "fail"
+    # NIXL's progress thread spins a full core (delay 0). On GPU nodes with spare cores it
+    # helps RDMA progress; on small CPU boxes it halves engine throughput, so off there:
+    # vLLM polls transfer state every engine step anyway.
+    nixl_progress_thread: bool = False
+    backends: tuple[str, ...] = ("UCX",)
+    # Decode refuses a handle with less lease than this left: its blocks could be freed mid-read.
+    handle_margin_s: float = 1.0
+
+    def kv_transfer_config(self, role: Role, engine_id: str) -> Any:
+        from vllm.config import KVTransferConfig
+
+        return KVTransferConfig(
+            kv_connector="NixlConnector",
+            kv_role=role.value,
+            kv_buffer_device=self.kv_buffer_device,
+            engine_id=engine_id,
+            kv_load_failure_policy=self.load_failure_policy,
+            kv_connector_extra_config={
+                "kv_lease_duration": self.lease_s,
+                "backends": list(self.backends),
+            },
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class SideChannel:
+    """Where a producer's NIXL handshake listener is reachable. Unique per worker."""
+
+    host: str
+    port: int
+
+    def process_env(self) -> dict[str, str]:
+        return {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": self.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
+            **HYBRID_TRANSFER_ENV,
+        }
+
+
+def engine_id_for(role: Role, worker_name: str, channel: SideChannel) -> str:
+    # Stable across restarts of the same worker identity, distinct across workers/hosts.
+    return f"{role.name.lower()}-{worker_name}-{channel.host}-{channel.port}"
+
+
+def pick_side_channel(host: str) -> SideChannel:
+    """A free port on `host` for this worker's NIXL handshake listener."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return SideChannel(host, sock.getsockname()[1])

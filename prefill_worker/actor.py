@@ -1,0 +1,19 @@
+"""The prefill worker as a Ray actor: placed by Ray resources, reachable at its node's address."""
+
+from __future__ import annotations
+
+import ray
+
+from kv_transfer.connector_config import TransferConfig, pick_side_channel
+from prefill_worker.worker import PrefillWorker
+from vllm_engine.config import EngineConfig
+
+
+@ray.remote(num_cpus=0, max_concurrency=1000)
+class PrefillActor(PrefillWorker):
+    def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig) -> None:
+        channel = pick_side_channel(ray.util.get_node_ip_address())
+        super().__init__(name, engine_config, transfer, channel)
+
+    def ready(self) -> str:
+        return self.engine_id

@@ -1,0 +1,83 @@
+"""One vLLM engine in the KV-producer role.
+
+For each request it runs prefill and returns a `TransferHandle`; the engine keeps the
+request's attention blocks and DeltaNet state slots until decode has read them or the lease
+runs out. The token prefill samples is never an output: on hybrids prefill computes only
+N-1 prompt tokens (the recurrent state must stop before the last one) and decode computes
+the real first token, so we sample it greedily and drop it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
+from kv_transfer.handle import TransferHandle
+from kv_transfer.layout import StateLayout
+from kv_transfer.progress_thread import set_nixl_progress_thread
+from vllm_engine.config import EngineConfig
+from vllm_engine.loop import EngineLoad, EngineLoop
+from vllm_engine.requests import GenerateRequest, ModelLimits
+
+
+class PrefillFailedError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    handle: TransferHandle
+    prefill_s: float  # from arrival at this worker to the blocks being ready
+
+
+class PrefillWorker:
+    def __init__(
+        self, name: str, engine_config: EngineConfig, transfer: TransferConfig, channel: SideChannel
+    ) -> None:
+        self.name = name
+        self.engine_id = engine_id_for(Role.PREFILL, name, channel)
+        self._transfer = transfer
+        set_nixl_progress_thread(transfer.nixl_progress_thread)
+        self._loop = EngineLoop.start(
+            engine_config, transfer.kv_transfer_config(Role.PREFILL, self.engine_id), channel.process_env()
+        )
+        self.layout = StateLayout.from_kv_cache_config(self._loop.kv_cache_config)
+        self.limits: ModelLimits = self._loop.limits
+
+    async def prefill(self, request: GenerateRequest) -> PrefillResult:
+        request.validate(self.limits)
+        started = time.perf_counter()
+        params = request.sampling.to_vllm(
+            max_tokens=1,
+            temperature=0.0,
+            stop=[],
+            stop_token_ids=[],
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+        )
+        final = None
+        async for output in self._loop.generate(request.request_id, list(request.prompt_token_ids), params):
+            final = output
+        if final is None or final.kv_transfer_params is None:
+            reason = final.outputs[0].finish_reason if final else "no output"
+            raise PrefillFailedError(f"prefill of {request.request_id} produced no transfer handle ({reason})")
+        connector_params = final.kv_transfer_params
+        handle = TransferHandle.from_connector_params(
+            connector_params,
+            lease_s=self._transfer.lease_s,
+            transfer_bytes=self.layout.bytes_for(connector_params["remote_block_ids"]),
+        )
+        return PrefillResult(handle, time.perf_counter() - started)
+
+    def load(self) -> EngineLoad:
+        return self._loop.load()
+
+    def model_limits(self) -> ModelLimits:
+        return self.limits
+
+    def state_layout(self) -> StateLayout:
+        return self.layout
+
+    def shutdown(self) -> None:
+        self._loop.shutdown()

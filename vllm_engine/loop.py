@@ -1,0 +1,176 @@
+"""Drive one in-process vLLM engine from asyncio, with continuous batching.
+
+vLLM's AsyncLLM always runs the engine core in a second process; on small CPU boxes that
+costs 17-36 s of start-up and a core of spin-waiting. `LLMEngine` with
+VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the core in-process, but is synchronous. This class
+owns such an engine on one thread: it takes new requests and aborts between steps, runs
+`step()` while anything is scheduled (every step advances every running request: that is
+the continuous batching), and hands each request's outputs to the asyncio loop that asked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from vllm_engine.config import EngineConfig, apply_process_env
+from vllm_engine.requests import ModelLimits
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+# How often an idle loop still steps while a KV connector holds finished requests' blocks
+# (producer waiting for decode's read notification, or a lease to expire).
+_CONNECTOR_POLL_S = 0.001
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int
+    waiting: int  # queued, including requests waiting for remote KV
+    held_for_transfer: int  # finished on this engine, blocks kept for a peer to read
+    free_blocks: int
+    total_blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    sink: Callable[[Any], None]
+
+
+@dataclass(frozen=True, slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineLoop:
+    def __init__(self, engine: "LLMEngine") -> None:
+        self._engine = engine
+        self._scheduler = engine.engine_core.engine_core.scheduler
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, kv_transfer_config: Any = None, env: dict[str, str] | None = None
+    ) -> "EngineLoop":
+        """Build the engine in this process (env first: vLLM reads it at engine creation)."""
+        apply_process_env({**config.process_env(), **(env or {})})
+        from vllm.v1.engine.llm_engine import LLMEngine
+
+        return cls(LLMEngine.from_engine_args(config.engine_args(kv_transfer_config)))
+
+    @property
+    def limits(self) -> ModelLimits:
+        model_config = self._engine.model_config
+        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size())
+
+    @property
+    def kv_cache_config(self) -> Any:
+        return self._scheduler.kv_cache_config
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
+    ) -> AsyncIterator["RequestOutput"]:
+        """Yield this request's outputs; leaving early (break, cancel) aborts it in the engine."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue[Any] = asyncio.Queue()
+        self._send(_Add(request_id, prompt_token_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o)))
+        finished = False
+        try:
+            while not finished:
+                output = await outputs.get()
+                if isinstance(output, BaseException):
+                    finished = True
+                    raise output
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._send(_Abort(request_id))
+
+    def load(self) -> EngineLoad:
+        # Read from another thread without locking: counters only, a stale value is fine.
+        running, waiting = self._scheduler.get_request_counts()
+        pool = self._scheduler.kv_cache_manager.block_pool
+        return EngineLoad(
+            running=running,
+            waiting=waiting,
+            held_for_transfer=max(0, len(self._scheduler.requests) - running - waiting),
+            free_blocks=pool.get_num_free_blocks(),
+            total_blocks=pool.num_gpu_blocks - 1,  # block 0 is vLLM's reserved null block
+        )
+
+    def shutdown(self) -> None:
+        self._commands.put(None)
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _send(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while True:
+            if not self._apply_commands():
+                return
+            if self._scheduler.has_unfinished_requests():
+                self._step()
+            elif self._scheduler.has_requests():
+                self._step()  # lets the connector free blocks once a peer has read them
+                self._wake.wait(_CONNECTOR_POLL_S)
+            else:
+                self._wake.wait(_IDLE_WAIT_S)
+            self._wake.clear()
+
+    def _apply_commands(self) -> bool:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+            if command is None:
+                return False
+            if isinstance(command, _Abort):
+                if self._sinks.pop(command.request_id, None) is not None:
+                    self._engine.abort_request([command.request_id])
+                continue
+            try:
+                self._engine.add_request(
+                    command.request_id, {"prompt_token_ids": command.prompt_token_ids}, command.params
+                )
+            except Exception as exc:  # invalid request: report it to its caller only
+                command.sink(exc)
+            else:
+                self._sinks[command.request_id] = command.sink
+
+    def _step(self) -> None:
+        try:
+            outputs = self._engine.step()
+        except Exception as exc:  # engine failure: every waiting caller must hear of it
+            for sink in self._sinks.values():
+                sink(exc)
+            self._sinks.clear()
+            raise
+        for output in outputs:
+            sink = self._sinks.get(output.request_id)
+            if sink is None:
+                continue
+            if output.finished:
+                del self._sinks[output.request_id]
+            sink(output)

@@ -1,0 +1,102 @@
+"""Typed request and output messages shared by the router and both worker roles."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+
+
+class InvalidRequestError(ValueError):
+    """A request field is out of range; `field` names it (mapped to INVALID_ARGUMENT)."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+@dataclass(frozen=True, slots=True)
+class ModelLimits:
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k cut
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def validate(self, limits: ModelLimits) -> None:
+        if self.max_tokens < 1:
+            raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
+            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})"
+            )
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop", "stop strings must be non-empty")
+
+    def to_vllm(self, **overrides: Any) -> "SamplingParams":
+        from vllm import SamplingParams
+
+        fields: dict[str, Any] = dict(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else -1,
+            seed=self.seed,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+        )
+        fields.update(overrides)
+        return SamplingParams(**fields)
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def validate(self, limits: ModelLimits) -> None:
+        n = len(self.prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("prompt", "is empty: give prompt text or at least one token id")
+        bad = [t for t in self.prompt_token_ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                "prompt_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})"
+            )
+        self.sampling.validate(limits)
+        if n + self.sampling.max_tokens > limits.max_model_len:
+            raise InvalidRequestError(
+                "prompt",
+                f"{n} prompt tokens + max_tokens {self.sampling.max_tokens} exceed the model's "
+                f"maximum length {limits.max_model_len}: shorten the prompt or lower max_tokens",
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TokenChunk:
+    """New tokens of one request since the previous chunk."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None  # "stop", "length", "abort" on the last chunk
