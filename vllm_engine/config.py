@@ -18,9 +18,23 @@ if TYPE_CHECKING:
 HYBRID_TRANSFER_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}
 
 
+EMBEDDED_MODEL = "embedded"
+
+
+def resolve_model(model: str) -> str:
+    """A model directory path; "embedded" builds the tiny default hybrid on this node."""
+    if model != EMBEDDED_MODEL:
+        return model
+    from vllm_engine.embedded_model import ensure_embedded_model
+
+    return str(ensure_embedded_model())
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str
+    # A Hugging Face model directory, or "embedded" (resolved on each node, so a cluster's
+    # nodes need no shared filesystem for the default model).
+    model: str = EMBEDDED_MODEL
     dtype: str = "bfloat16"
     max_model_len: int = 8192
     # Explicit KV cache size: vLLM's CPU default tries to reserve ~92% of RAM.
@@ -51,9 +65,10 @@ class EngineConfig:
     def engine_args(self, kv_transfer_config: Any = None) -> "EngineArgs":
         from vllm.engine.arg_utils import EngineArgs
 
+        model = resolve_model(self.model)
         return EngineArgs(
-            model=self.model,
-            tokenizer=self.model,
+            model=model,
+            tokenizer=model,
             dtype=self.dtype,
             max_model_len=self.max_model_len,
             kv_cache_memory_bytes=self.kv_cache_bytes,

@@ -1,0 +1,1 @@
+"""Router: request validation, actor selection, orchestration, the gRPC server and the CLI."""

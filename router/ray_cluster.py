@@ -1,0 +1,56 @@
+"""Start or join a Ray cluster without touching any other Ray on the machine.
+
+A local cluster gets a private temp dir, a loopback node address (Ray rewrites 127.0.0.1
+to the host's address; 127.0.0.2 stays on loopback), no dashboard, auth and usage stats
+off. It never runs `ray stop`: that kills every Ray process of the user.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import ray
+
+# Custom resources that steer each pool onto its own nodes (GPU sets on a real cluster).
+PREFILL_RESOURCE = "pdserve_prefill"
+DECODE_RESOURCE = "pdserve_decode"
+
+ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+@dataclass(frozen=True, slots=True)
+class LocalClusterConfig:
+    node_ip: str = "127.0.0.2"
+    num_cpus: int = 2
+    # Slots per pool on this single node; on a real cluster node types declare these.
+    prefill_slots: int = 8
+    decode_slots: int = 8
+    extra_resources: dict[str, float] = field(default_factory=dict)
+
+
+def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
+    """Start a private single-node cluster in this process; returns its temp dir."""
+    os.environ.update(ISOLATION_ENV)
+    temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: Ray socket paths are length-limited
+    ray.init(
+        address="local",
+        _temp_dir=temp_dir,
+        _node_ip_address=config.node_ip,
+        num_cpus=config.num_cpus,
+        resources={
+            PREFILL_RESOURCE: config.prefill_slots,
+            DECODE_RESOURCE: config.decode_slots,
+            **config.extra_resources,
+        },
+        include_dashboard=False,
+        log_to_driver=False,
+        namespace="pdserve",
+    )
+    return temp_dir
+
+
+def join(address: str) -> None:
+    os.environ.update(ISOLATION_ENV)
+    ray.init(address=address, namespace="pdserve", log_to_driver=False)
