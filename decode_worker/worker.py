@@ -67,7 +67,12 @@ class DecodeWorker:
                     f"state from {handle.engine_id if handle else 'its producer'} "
                     "(producer gone, blocks expired or handle invalid)"
                 )
-            yield TokenChunk(tuple(completion.token_ids), completion.text, completion.finish_reason)
+            yield TokenChunk(
+                tuple(completion.token_ids),
+                completion.text,
+                completion.finish_reason,
+                _top_logprobs(completion.logprobs),
+            )
 
     def load(self) -> EngineLoad:
         return self._loop.load()
@@ -77,3 +82,12 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self._loop.shutdown()
+
+
+def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:  # noqa: ANN001
+    if not logprobs:
+        return ()
+    return tuple(
+        tuple(sorted(((token, lp.logprob) for token, lp in position.items()), key=lambda t: -t[1]))
+        for position in logprobs
+    )

@@ -54,6 +54,7 @@ class PrefillWorker:
             stop=[],
             stop_token_ids=[],
             ignore_eos=True,
+            logprobs=None,
             extra_args={"kv_transfer_params": {"do_remote_decode": True}},
         )
         final = None

@@ -16,6 +16,10 @@ class InvalidRequestError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+
+    def __reduce__(self):  # crosses Ray process boundaries intact
+        return (type(self), (self.field, self.message))
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +38,7 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int = 0  # top alternatives to return per generated token (0: none)
 
     def validate(self, limits: ModelLimits) -> None:
         if self.max_tokens < 1:
@@ -49,6 +54,8 @@ class SamplingConfig:
             raise InvalidRequestError(
                 "stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})"
             )
+        if not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop", "stop strings must be non-empty")
 
@@ -64,6 +71,7 @@ class SamplingConfig:
             stop=list(self.stop),
             stop_token_ids=list(self.stop_token_ids),
             ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs or None,
         )
         fields.update(overrides)
         return SamplingParams(**fields)
@@ -100,3 +108,5 @@ class TokenChunk:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None  # "stop", "length", "abort" on the last chunk
+    # Per token, when requested: top alternatives as (token id, logprob), best first.
+    logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()

@@ -1,0 +1,37 @@
+"""Request validation: every bad field gets an error that names it."""
+
+import pytest
+
+from vllm_engine.requests import GenerateRequest, InvalidRequestError, ModelLimits, SamplingConfig
+
+LIMITS = ModelLimits(max_model_len=128, vocab_size=100)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "field"),
+    [
+        ((), SamplingConfig(), "prompt"),
+        (tuple(range(100)), SamplingConfig(max_tokens=64), "prompt"),
+        ((1, 2, 300), SamplingConfig(), "prompt_token_ids"),
+        ((1,), SamplingConfig(max_tokens=0), "max_tokens"),
+        ((1,), SamplingConfig(max_tokens=-3), "max_tokens"),
+        ((1,), SamplingConfig(temperature=-0.1), "temperature"),
+        ((1,), SamplingConfig(top_p=0.0), "top_p"),
+        ((1,), SamplingConfig(top_p=1.5), "top_p"),
+        ((1,), SamplingConfig(top_k=-1), "top_k"),
+        ((1,), SamplingConfig(stop_token_ids=(5, 100)), "stop_token_ids"),
+        ((1,), SamplingConfig(stop=("",)), "stop"),
+    ],
+)
+def test_invalid_field_is_named(prompt, sampling, field):
+    with pytest.raises(InvalidRequestError) as err:
+        GenerateRequest("r", prompt, sampling).validate(LIMITS)
+    assert err.value.field == field
+    assert str(err.value).startswith(f"{field}:")
+
+
+def test_valid_request_passes_and_maps_to_vllm():
+    request = GenerateRequest("r", (1, 2, 3), SamplingConfig(max_tokens=8, top_k=0, stop=("x",)))
+    request.validate(LIMITS)
+    params = request.sampling.to_vllm()
+    assert params.max_tokens == 8 and params.top_k in (-1, 0) and params.stop == ["x"]
