@@ -1,0 +1,1 @@
+"""Benchmarks, load generation and the prefill:decode ratio tuner."""
