@@ -14,7 +14,7 @@ if [ "$DEVICE" = auto ]; then
 fi
 
 # Re-run only when what we install changed.
-STAMP="$VENV/.pdserve-installed-$DEVICE-$(cat pyproject.toml deploy/install.sh | sha256sum | cut -c1-16)"
+STAMP="$VENV/.pdserve-installed-$DEVICE-$(cat pyproject.toml deploy/install.sh proto/pdserve/*/*.proto | sha256sum | cut -c1-16)"
 if [ -f "$STAMP" ]; then
   exit 0
 fi

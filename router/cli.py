@@ -1,11 +1,13 @@
-"""`pdserve` command line."""
+"""`pdserve` command line: demo, serve, generate."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import signal
 import sys
 import uuid
+from dataclasses import dataclass
 
 DEFAULT_PROMPT = (
     "Prefill processes the prompt and creates state; decode consumes that state one token "
@@ -14,76 +16,148 @@ DEFAULT_PROMPT = (
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser(
-        "demo",
-        help="local cluster: one prefill and one decode engine, stream one generation, print phase timings",
-    )
+    demo = sub.add_parser("demo", help="local cluster (1 prefill + 1 decode), one generation streamed through gRPC")
+    _add_cluster_args(demo)
     demo.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    demo.add_argument("--model", default="embedded", help="HF model directory (default: embedded tiny Qwen3.5 hybrid)")
     demo.add_argument("--max-tokens", type=int, default=48)
+
+    serve = sub.add_parser("serve", help="start or join a Ray cluster, bring up the pools, serve gRPC")
+    _add_cluster_args(serve)
+    serve.add_argument("--prefill", type=int, default=1, help="prefill actors")
+    serve.add_argument("--decode", type=int, default=1, help="decode actors")
+    serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
+
+    gen = sub.add_parser("generate", help="stream a generation from a running server")
+    gen.add_argument("prompt")
+    gen.add_argument("--target", default="127.0.0.1:50051")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
     args = parser.parse_args(argv)
     if args.command == "demo":
         return asyncio.run(_demo(args))
-    return 2
+    if args.command == "serve":
+        return asyncio.run(_serve(args))
+    return asyncio.run(_generate(args.target, args.prompt, args.timeout, max_tokens=args.max_tokens, temperature=args.temperature))
 
 
-async def _demo(args: argparse.Namespace) -> int:
+def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="embedded", help="HF model directory (default: embedded tiny Qwen3.5 hybrid)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines and KV buffers live")
+    parser.add_argument("--lease", type=int, default=30, help="seconds prefill holds blocks for decode to read")
+
+
+@dataclass(slots=True)
+class _Stack:
+    deployment: object
+    server: object
+
+    async def close(self) -> None:
+        await self.server.stop()  # type: ignore[attr-defined]
+        self.deployment.shutdown()  # type: ignore[attr-defined]
+
+
+async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int, listen: str) -> _Stack:
     from transformers import AutoTokenizer
 
+    from kv_transfer.connector_config import TransferConfig
+    from router import ray_cluster
     from router.deployment import Deployment, DeploymentConfig
-    from router.orchestrator import GenerationResult
-    from router.ray_cluster import start_local
+    from router.server import RouterServer
     from vllm_engine.config import EngineConfig, resolve_model
-    from vllm_engine.requests import GenerateRequest, SamplingConfig
 
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    print(f"model: {model}", file=sys.stderr)
-    start_local()
-    deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=model)))
+    if args.address:
+        ray_cluster.join(args.address)
+    else:
+        ray_cluster.start_local()
+    gpu = args.device == "cuda"
+    config = DeploymentConfig(
+        engine=EngineConfig(model=model),
+        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease, nixl_progress_thread=gpu),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        gpus_per_engine=1.0 if gpu else 0.0,
+    )
+    deployment = Deployment(config)
+    print(f"model {model}: starting {num_prefill} prefill + {num_decode} decode actors...", file=sys.stderr)
     try:
-        print("starting one prefill and one decode engine (Ray actors)...", file=sys.stderr)
         orchestrator = await deployment.start()
-        # Warm-up: the first request pays the one-time NIXL handshake between the pair.
-        async for _ in orchestrator.generate(
-            GenerateRequest("warmup", tuple(tokenizer.encode("warm up")), SamplingConfig(max_tokens=2))
-        ):
-            pass
-        request = GenerateRequest(
-            f"demo-{uuid.uuid4().hex[:8]}",
-            tuple(tokenizer.encode(args.prompt)),
-            SamplingConfig(max_tokens=args.max_tokens, ignore_eos=True),
-        )
-        print(f"\n{args.prompt}", end="", flush=True)
-        result: GenerationResult | None = None
-        async for event in orchestrator.generate(request):
-            if isinstance(event, GenerationResult):
-                result = event
-            else:
-                print(event.text, end="", flush=True)
-        print("\n")
-        assert result is not None
-        _print_result(result)
-    finally:
+        server = RouterServer(orchestrator, tokenizer.encode, model, listen)
+        await server.start()
+    except BaseException:
         deployment.shutdown()
+        raise
+    print(f"serving pdserve.v1.Generation on {server.address}", file=sys.stderr)
+    return _Stack(deployment, server)
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    stack = await _bring_up(args, 1, 1, "127.0.0.1:0")
+    try:
+        target = stack.server.address  # type: ignore[attr-defined]
+        # Warm-up: the first request pays the one-time NIXL handshake between the pair.
+        await _generate(target, "warm up", None, quiet=True, max_tokens=2)
+        print(f"\n{args.prompt}", end="", flush=True)
+        return await _generate(target, args.prompt, None, max_tokens=args.max_tokens, ignore_eos=True)
+    finally:
+        await stack.close()
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    stack = await _bring_up(args, args.prefill, args.decode, args.listen)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("shutting down: stopping gRPC, killing actors", file=sys.stderr)
+    await stack.close()
     return 0
 
 
-def _print_result(result) -> None:  # noqa: ANN001
-    t = result.timings
-    b = t.transfer_bytes
+async def _generate(target: str, prompt: str, timeout: float | None, quiet: bool = False, **sampling: object) -> int:
+    import grpc
+
+    from router.client import build_request, stream_generate
+
+    async with grpc.aio.insecure_channel(target) as channel:
+        request = build_request(prompt, f"cli-{uuid.uuid4().hex[:8]}", **sampling)
+        try:
+            async for response in stream_generate(channel, request, timeout):
+                if response.HasField("chunk"):
+                    if not quiet:
+                        print(response.chunk.text, end="", flush=True)
+                elif not quiet:
+                    print("\n")
+                    _print_final(response.final)
+        except grpc.aio.AioRpcError as err:
+            print(f"\nerror: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _print_final(final) -> None:  # noqa: ANN001
+    t = final.timings
+    moved = t.attention_kv_bytes + t.deltanet_state_bytes
     rows = [
-        ("prompt / completion tokens", f"{result.prompt_tokens} / {result.completion_tokens} ({result.finish_reason})"),
+        ("prompt / completion tokens", f"{final.usage.prompt_tokens} / {final.usage.completion_tokens} ({final.finish_reason})"),
         ("queue (routing + Ray hop)", f"{t.queue_s * 1e3:.1f} ms"),
-        ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {result.prefill_worker}"),
-        ("handoff (NIXL pull + first step)", f"{t.handoff_s * 1e3:.1f} ms on {result.decode_worker}"),
-        ("time to first token", f"{t.ttft_s * 1e3:.1f} ms"),
-        ("decode", f"{t.decode_tokens_per_s:.1f} tok/s, inter-token p50 {t.inter_token.p50_s * 1e3:.1f} ms, p99 {t.inter_token.p99_s * 1e3:.1f} ms"),
-        ("bytes moved", f"{b.total:,} = attention KV {b.attention_kv:,} + DeltaNet state {b.deltanet_state:,}"),
+        ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {final.prefill_worker}"),
+        ("transfer (NIXL pull + first step)", f"{t.transfer_s * 1e3:.1f} ms on {final.decode_worker}"),
+        ("time to first token (router)", f"{t.ttft_s * 1e3:.1f} ms"),
+        (
+            "decode",
+            f"{t.decode_tokens_per_s:.1f} tok/s, inter-token p50 {t.inter_token.p50_s * 1e3:.1f} ms, "
+            f"p99 {t.inter_token.p99_s * 1e3:.1f} ms",
+        ),
+        ("bytes moved", f"{moved:,} = attention KV {t.attention_kv_bytes:,} + DeltaNet state {t.deltanet_state_bytes:,}"),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

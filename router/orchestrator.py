@@ -71,7 +71,7 @@ class Orchestrator:
             timings=PhaseTimings(
                 queue_s=max(0.0, (prefill_done - arrived) - result.prefill_s),
                 prefill_s=result.prefill_s,
-                handoff_s=first - prefill_done,
+                transfer_s=first - prefill_done,
                 ttft_s=first - arrived,
                 inter_token=LatencySummary.of(gaps),
                 decode_tokens_per_s=(len(token_times) - 1) / decode_span if decode_span > 0 else 0.0,

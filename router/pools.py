@@ -22,6 +22,7 @@ class Member:
     outstanding_requests: int = 0
     outstanding_prompt_tokens: int = 0
     load: EngineLoad | None = None
+    alive: bool = True  # false once its load report fails: not picked any more
 
 
 @dataclass(slots=True)
@@ -32,34 +33,46 @@ class Pool:
 
     def pick_prefill(self) -> Member:
         """Least outstanding prompt tokens: prefill time is proportional to them."""
-        self._require_members()
+        live = self._live_members()
         turn = next(self._tiebreak)
-        return min(
-            self.members,
-            key=lambda m: (m.outstanding_prompt_tokens, (self.members.index(m) - turn) % len(self.members)),
-        )
+        return min(live, key=lambda m: (m.outstanding_prompt_tokens, (live.index(m) - turn) % len(live)))
 
     def pick_decode(self) -> Member:
         """Fewest running, then most free KV/state capacity."""
-        self._require_members()
+        live = self._live_members()
         turn = next(self._tiebreak)
         return min(
-            self.members,
+            live,
             key=lambda m: (
                 m.outstanding_requests,
                 -(m.load.free_blocks if m.load else 0),
-                (self.members.index(m) - turn) % len(self.members),
+                (live.index(m) - turn) % len(live),
             ),
         )
 
-    def _require_members(self) -> None:
-        if not self.members:
-            raise NoWorkerError(f"no live {self.role} actor")
+    def _live_members(self) -> list[Member]:
+        live = [m for m in self.members if m.alive]
+        if not live:
+            raise NoWorkerError(f"no live {self.role} actor: check the cluster's {self.role} nodes")
+        return live
 
-    async def refresh_loads(self) -> None:
-        reports = await asyncio.gather(*(m.actor.load.remote() for m in self.members), return_exceptions=True)
-        for member, report in zip(self.members, reports):
-            member.load = report if isinstance(report, EngineLoad) else None
+    @property
+    def has_live_member(self) -> bool:
+        return any(m.alive for m in self.members)
+
+    async def refresh_loads(self, timeout_s: float) -> None:
+        """Poll every member's load; one that does not answer in time counts as dead."""
+
+        async def report(member: Member) -> EngineLoad | None:
+            try:
+                return await asyncio.wait_for(member.actor.load.remote(), timeout_s)
+            except Exception:  # actor died, or is wedged: either way, do not route to it
+                return None
+
+        reports = await asyncio.gather(*(report(m) for m in self.members))
+        for member, load in zip(self.members, reports):
+            member.load = load
+            member.alive = load is not None
 
 
 class NoWorkerError(RuntimeError):

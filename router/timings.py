@@ -31,7 +31,7 @@ class LatencySummary:
 class PhaseTimings:
     queue_s: float  # router arrival -> prefill engine starts (routing, Ray hop)
     prefill_s: float  # prefill engine: prompt in -> blocks ready for transfer
-    handoff_s: float  # decode call -> first token: NIXL pull of KV + state, then one step
+    transfer_s: float  # decode call -> first token: NIXL pull of KV + state, then one step
     ttft_s: float  # router arrival -> first token at the router
     inter_token: LatencySummary
     decode_tokens_per_s: float  # after the first token

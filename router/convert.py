@@ -1,0 +1,78 @@
+"""Explicit encode/decode between the gRPC messages and the internal dataclasses."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Callable
+
+from proto.pdserve.v1 import generate_pb2 as pb
+from router.orchestrator import GenerationResult
+from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig, TokenChunk
+
+DEFAULT_MAX_TOKENS = 64
+
+
+def decode_request(message: pb.GenerateRequest, tokenize: Callable[[str], list[int]]) -> GenerateRequest:
+    kind = message.WhichOneof("prompt")
+    if kind == "text":
+        prompt = tuple(tokenize(message.text))
+    elif kind == "token_ids":
+        prompt = tuple(message.token_ids.ids)
+    else:
+        raise InvalidRequestError("prompt", "missing: set `text` or `token_ids`")
+    s = message.sampling
+    sampling = SamplingConfig(
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else DEFAULT_MAX_TOKENS,
+        temperature=s.temperature if s.HasField("temperature") else 0.0,
+        top_p=s.top_p if s.HasField("top_p") else 1.0,
+        top_k=s.top_k if s.HasField("top_k") else 0,
+        seed=s.seed if s.HasField("seed") else None,
+        stop=tuple(s.stop),
+        stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
+    )
+    return GenerateRequest(message.request_id or f"req-{uuid.uuid4().hex}", prompt, sampling)
+
+
+def encode_chunk(chunk: TokenChunk) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        chunk=pb.TokenChunk(
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+            logprobs=[
+                pb.PositionLogprobs(top=[pb.TokenLogprob(token_id=t, logprob=lp) for t, lp in position])
+                for position in chunk.logprobs
+            ],
+        )
+    )
+
+
+def encode_final(request_id: str, result: GenerationResult) -> pb.GenerateResponse:
+    t = result.timings
+    return pb.GenerateResponse(
+        final=pb.Final(
+            request_id=request_id,
+            finish_reason=result.finish_reason,
+            usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens),
+            timings=pb.Timings(
+                queue_s=t.queue_s,
+                prefill_s=t.prefill_s,
+                transfer_s=t.transfer_s,
+                ttft_s=t.ttft_s,
+                inter_token=pb.LatencySummary(
+                    mean_s=t.inter_token.mean_s,
+                    p50_s=t.inter_token.p50_s,
+                    p90_s=t.inter_token.p90_s,
+                    p99_s=t.inter_token.p99_s,
+                    max_s=t.inter_token.max_s,
+                ),
+                e2e_s=t.e2e_s,
+                decode_tokens_per_s=t.decode_tokens_per_s,
+                attention_kv_bytes=t.transfer_bytes.attention_kv,
+                deltanet_state_bytes=t.transfer_bytes.deltanet_state,
+            ),
+            prefill_worker=result.prefill_worker,
+            decode_worker=result.decode_worker,
+        )
+    )
