@@ -19,6 +19,7 @@ def build_request(
     if isinstance(prompt, str):
         message.text = prompt
     else:
+        message.token_ids.SetInParent()  # an empty id list is still "token_ids", not "no prompt"
         message.token_ids.ids.extend(prompt)
     return message
 

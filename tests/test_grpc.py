@@ -1,0 +1,211 @@
+"""The product as users see it: gRPC streaming from a real local Ray cluster with real
+vLLM engines and NIXL transfer behind the router."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from conftest import assert_no_blocks_held, run, wait_until
+from reference import MAX_TOKENS, PROMPTS, assert_matches
+from router.client import build_request, stream_generate
+
+
+@pytest.fixture(scope="module")
+def stack(ray_cluster, engine_config, reference, model_path):
+    from transformers import AutoTokenizer
+
+    from router.deployment import Deployment, DeploymentConfig
+    from router.server import RouterServer
+
+    dep = Deployment(DeploymentConfig(engine=engine_config))
+    orchestrator = run(dep.start())
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    # The server runs on its own loop in a background thread, as it would in `pdserve serve`:
+    # it keeps handling cancellations and health polls between the test's client calls.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start_server():
+        server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=0.2)
+        await server.start()
+        return server
+
+    server = asyncio.run_coroutine_threadsafe(start_server(), loop).result()
+    yield dep, server, loop
+    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout=10)
+    dep.shutdown()
+
+
+def _call(stack, coro_fn):
+    """Run a client coroutine on the server's event loop (grpc.aio objects are loop-bound)."""
+    _, server, loop = stack
+
+    async def with_channel():
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            return await coro_fn(channel)
+
+    return asyncio.run_coroutine_threadsafe(with_channel(), loop).result(timeout=300)
+
+
+async def _stream(channel, request, timeout_s=None):
+    tokens, texts, final = [], [], None
+    async for response in stream_generate(channel, request, timeout_s):
+        if response.HasField("chunk"):
+            tokens.extend(response.chunk.token_ids)
+            texts.append(response.chunk.text)
+        else:
+            final = response.final
+    return tokens, "".join(texts), final
+
+
+def _ids(name):
+    return list(PROMPTS[name])
+
+
+def test_streamed_generation_equals_colocated_reference(stack, reference):
+    request = build_request(_ids("over_one_block"), "grpc-1", max_tokens=MAX_TOKENS, ignore_eos=True)
+    tokens, text, final = _call(stack, lambda ch: _stream(ch, request))
+    assert_matches(tokens, reference["over_one_block"])
+    assert text  # detokenized deltas arrive with the ids
+    assert final.request_id == "grpc-1" and final.finish_reason == "length"
+    assert final.usage.prompt_tokens == len(PROMPTS["over_one_block"]) and final.usage.completion_tokens == MAX_TOKENS
+    t = final.timings
+    assert 0 < t.prefill_s < t.ttft_s < t.e2e_s and t.inter_token.p50_s > 0
+    assert t.attention_kv_bytes > 0 and t.deltanet_state_bytes > 0
+
+
+def test_tokens_stream_as_produced_not_buffered(stack):
+    request = build_request(_ids("short"), "grpc-stream", max_tokens=40, ignore_eos=True)
+
+    async def arrival_times(channel):
+        start, times = time.perf_counter(), []
+        async for response in stream_generate(channel, request):
+            if response.HasField("chunk"):
+                times.append(time.perf_counter())
+        return start, times
+
+    start, times = _call(stack, arrival_times)
+    assert len(times) >= 20  # about one message per engine step
+    # Buffered output would arrive in one burst at the end; streamed output is spread out.
+    assert times[-1] - times[0] > 0.3 * (times[-1] - start)
+
+
+def test_text_prompt_is_tokenized_by_the_router(stack):
+    request = build_request("Prefill and decode are two different machines.", max_tokens=4)
+    tokens, _, final = _call(stack, lambda ch: _stream(ch, request))
+    assert len(tokens) == final.usage.completion_tokens <= 4 and final.usage.prompt_tokens > 5
+
+
+def test_eight_concurrent_streams_complete_correctly(stack, reference):
+    dep = stack[0]
+    names = ["short", "over_one_block", "long", "x", "y", "y_then_last_of_x", "short", "x"]
+
+    async def all_streams(channel):
+        return await asyncio.gather(
+            *(
+                _stream(channel, build_request(_ids(n), f"c8-{i}", max_tokens=MAX_TOKENS, ignore_eos=True))
+                for i, n in enumerate(names)
+            )
+        )
+
+    results = _call(stack, all_streams)
+    for name, (tokens, _, final) in zip(names, results):
+        assert_matches(tokens, reference[name])
+        assert final.finish_reason == "length"
+    assert_no_blocks_held(dep)
+
+
+def test_client_cancel_mid_stream_frees_blocks_on_both_engines(stack):
+    dep = stack[0]
+    request = build_request(_ids("long"), "cancel-me", max_tokens=2000, ignore_eos=True)
+
+    async def cancel_after_tokens(channel):
+        stub_stream = stream_generate(channel, request)
+        received = 0
+        async for response in stub_stream:
+            received += len(response.chunk.token_ids)
+            if received >= 5:
+                break
+        await stub_stream.aclose()  # closes the call: the client cancels the RPC
+        return received
+
+    assert _call(stack, cancel_after_tokens) >= 5
+    assert_no_blocks_held(dep, timeout_s=10)
+
+
+def test_deadline_shorter_than_generation(stack):
+    dep = stack[0]
+    request = build_request(_ids("long"), "deadline", max_tokens=3000, ignore_eos=True)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _call(stack, lambda ch: _stream(ch, request, timeout_s=1.0))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_no_blocks_held(dep, timeout_s=10)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "prompt", "field"),
+    [
+        ({"max_tokens": -1}, "short", "max_tokens"),
+        ({"max_tokens": 0}, "short", "max_tokens"),
+        ({"temperature": -0.5}, "short", "temperature"),
+        ({"top_p": 0.0}, "short", "top_p"),
+        ({"top_p": 1.01}, "short", "top_p"),
+        ({"stop_token_ids": [999999]}, "short", "stop_token_ids"),
+        ({"stop_token_ids": [-1]}, "short", "stop_token_ids"),
+        ({}, "too_long", "prompt"),
+        ({}, "empty", "prompt"),
+    ],
+)
+def test_invalid_parameters_are_invalid_argument_naming_the_field(stack, sampling, prompt, field):
+    special = {"too_long": [5] * 9000, "empty": []}
+    ids = special[prompt] if prompt in special else _ids(prompt)
+    request = build_request(ids, **sampling)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _call(stack, lambda ch: _stream(ch, request))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert_no_blocks_held(stack[0])
+
+
+def test_reflection_lists_the_services(stack):
+    async def list_services(channel):
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        async for response in responses:
+            return {s.name for s in response.list_services_response.service}
+
+    services = _call(stack, list_services)
+    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+
+
+def test_health_serving_only_while_both_pools_have_a_live_actor(stack):
+    """Runs last in this module: it kills the decode actor."""
+    import ray
+
+    dep = stack[0]
+
+    def status():
+        async def check(channel):
+            stub = health_pb2_grpc.HealthStub(channel)
+            return (await stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))).status
+
+        return _call(stack, check)
+
+    assert status() == health_pb2.HealthCheckResponse.SERVING
+    ray.kill(dep.decode.members[0].actor, no_restart=True)
+
+    assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=15)
+    request = build_request(_ids("short"), max_tokens=4)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _call(stack, lambda ch: _stream(ch, request))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
