@@ -15,3 +15,4 @@ test: install
 
 bench: install
 	$(VENV)/bin/python -m bench.disagg_vs_colocated
+	$(VENV)/bin/python -m bench.stack_overhead

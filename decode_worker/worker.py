@@ -8,6 +8,7 @@ which is also how the colocated baseline runs (`transfer=None`: no connector at 
 
 from __future__ import annotations
 
+import time
 from typing import AsyncIterator
 
 from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
@@ -72,6 +73,7 @@ class DecodeWorker:
                 completion.text,
                 completion.finish_reason,
                 _top_logprobs(completion.logprobs),
+                time.time(),
             )
 
     def load(self) -> EngineLoad:

@@ -110,3 +110,4 @@ class TokenChunk:
     finish_reason: str | None = None  # "stop", "length", "abort" on the last chunk
     # Per token, when requested: top alternatives as (token id, logprob), best first.
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
