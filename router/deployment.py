@@ -11,7 +11,7 @@ import ray
 from decode_worker.actor import DecodeActor
 from kv_transfer.connector_config import TransferConfig
 from prefill_worker.actor import PrefillActor
-from router.orchestrator import Orchestrator
+from router.orchestrator import Orchestrator, RouterPolicy
 from router.pools import Member, Pool
 from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 from vllm_engine.config import EngineConfig
@@ -29,7 +29,10 @@ class DeploymentConfig:
     transfer: TransferConfig = field(default_factory=TransferConfig)
     num_prefill: int = 1
     num_decode: int = 1
+    policy: RouterPolicy = field(default_factory=RouterPolicy)
     gpus_per_engine: float = 0.0  # 0 on CPU machines
+    # Ray restarts a crashed actor this many times (a new engine, new NIXL identity).
+    max_restarts: int = 3
     # CPU machines: cores handed to engines in turn (prefill first). None: no pinning.
     cpu_cores: tuple[str, ...] | None = field(default_factory=default_cpu_cores)
 
@@ -52,18 +55,24 @@ class Deployment:
         cfg = self.config
         for i in range(cfg.num_prefill):
             actor = PrefillActor.options(
-                name=f"prefill-{i}", resources={PREFILL_RESOURCE: 1}, num_gpus=cfg.gpus_per_engine
+                name=f"prefill-{i}",
+                resources={PREFILL_RESOURCE: 1},
+                num_gpus=cfg.gpus_per_engine,
+                max_restarts=cfg.max_restarts,
             ).remote(f"prefill-{i}", cfg.engine_for(i), cfg.transfer)
             self.prefill.members.append(Member(f"prefill-{i}", actor))
         for i in range(cfg.num_decode):
             actor = DecodeActor.options(
-                name=f"decode-{i}", resources={DECODE_RESOURCE: 1}, num_gpus=cfg.gpus_per_engine
+                name=f"decode-{i}",
+                resources={DECODE_RESOURCE: 1},
+                num_gpus=cfg.gpus_per_engine,
+                max_restarts=cfg.max_restarts,
             ).remote(f"decode-{i}", cfg.engine_for(cfg.num_prefill + i), cfg.transfer)
             self.decode.members.append(Member(f"decode-{i}", actor))
         members = self.prefill.members + self.decode.members
         await asyncio.gather(*(m.actor.ready.remote() for m in members))
         self.limits = await self.prefill.members[0].actor.model_limits.remote()
-        return Orchestrator(self.prefill, self.decode, self.limits)
+        return Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
 
     def shutdown(self) -> None:
         for member in self.prefill.members + self.decode.members:

@@ -2,20 +2,36 @@
 
 The caller iterates `generate()`; leaving the iteration early (client cancel, deadline)
 cancels whichever Ray task is running, which aborts the request in that engine and frees
-its blocks there.
+its blocks there. A decode actor that dies mid-stream is, by policy, replaced: the request
+is resumed (prompt + tokens already streamed) on another decode actor, and the caller sees
+one uninterrupted stream.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import AsyncIterator
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Literal
 
 import ray
+from ray.exceptions import RayActorError
 
+from prefill_worker.worker import PrefillResult
 from router.pools import Member, Pool
 from router.timings import LatencySummary, PhaseTimings
 from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
+
+
+@dataclass(frozen=True, slots=True)
+class RouterPolicy:
+    # A decode actor died mid-stream: resume on another one ("migrate") or end the stream
+    # with UNAVAILABLE ("fail"). Transfer failures are vLLM's `load_failure_policy`.
+    on_decode_failure: Literal["migrate", "fail"] = "migrate"
+    max_migrations: int = 2
+
+
+class DecodeFailedError(RuntimeError):
+    """The decode actor serving a request died and the policy says not to resume."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,72 +42,117 @@ class GenerationResult:
     timings: PhaseTimings
     prefill_worker: str
     decode_worker: str
+    migrations: int = 0
+
+
+@dataclass(slots=True)
+class _Progress:
+    """What the caller has been sent so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    finish_reason: str = "abort"
+
+    def add(self, chunk: TokenChunk) -> None:
+        now = time.perf_counter()
+        self.token_ids.extend(chunk.token_ids)
+        self.token_times.extend([now] * len(chunk.token_ids))
+        if chunk.finish_reason is not None:
+            self.finish_reason = chunk.finish_reason
 
 
 class Orchestrator:
-    def __init__(self, prefill: Pool, decode: Pool, limits: ModelLimits) -> None:
+    def __init__(
+        self, prefill: Pool, decode: Pool, limits: ModelLimits, policy: RouterPolicy = RouterPolicy()
+    ) -> None:
         self.prefill = prefill
         self.decode = decode
         self.limits = limits
+        self.policy = policy
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
         request.validate(self.limits)  # cheap, and before any engine holds blocks for it
-        prefill_member = self.prefill.pick_prefill()
-        result = await self._prefill(prefill_member, request)
-        prefill_done = time.perf_counter()
+        progress = _Progress()
+        first_leg: tuple[PrefillResult, float] | None = None  # the prefill the timings describe
+        migrations = 0
+        current = request
+        while True:
+            prefill_member, prefill = await self._prefill(current)
+            first_leg = first_leg or (prefill, time.perf_counter())
+            decode_member = self.decode.pick_decode()
+            try:
+                async for chunk in self._decode(decode_member, current, prefill, progress):
+                    yield chunk
+                break
+            except RayActorError as err:
+                decode_member.alive = False
+                if self.policy.on_decode_failure == "fail" or migrations >= self.policy.max_migrations:
+                    raise DecodeFailedError(
+                        f"decode actor {decode_member.name} died while serving {request.request_id}"
+                    ) from err
+                migrations += 1
+                current = request.continued(tuple(progress.token_ids))
+                if current.sampling.max_tokens < 1:  # it died after the last token
+                    progress.finish_reason = "length"
+                    break
 
-        decode_member = self.decode.pick_decode()
-        decode_member.outstanding_requests += 1
-        stream = decode_member.actor.generate.remote(request, result.handle)
-        token_times: list[float] = []
-        completion_tokens = 0
-        finish_reason = "abort"
-        try:
-            async for ref in stream:
-                chunk: TokenChunk = await ref
-                now = time.perf_counter()
-                token_times.extend([now] * len(chunk.token_ids))
-                completion_tokens += len(chunk.token_ids)
-                if chunk.finish_reason is not None:
-                    finish_reason = chunk.finish_reason
-                yield chunk
-        finally:
-            decode_member.outstanding_requests -= 1
-            if finish_reason == "abort":  # the caller left early: stop the engine too
-                ray.cancel(stream)
-
-        first = token_times[0] if token_times else time.perf_counter()
-        gaps = [b - a for a, b in zip(token_times, token_times[1:])]
-        decode_span = token_times[-1] - first if len(token_times) > 1 else 0.0
+        first_prefill, first_prefill_done = first_leg
+        times = progress.token_times
+        first = times[0] if times else time.perf_counter()
+        span = times[-1] - first if len(times) > 1 else 0.0
         yield GenerationResult(
-            finish_reason=finish_reason,
+            finish_reason=progress.finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
-            completion_tokens=completion_tokens,
+            completion_tokens=len(progress.token_ids),
             timings=PhaseTimings(
-                queue_s=max(0.0, (prefill_done - arrived) - result.prefill_s),
-                prefill_s=result.prefill_s,
-                transfer_s=first - prefill_done,
+                queue_s=max(0.0, (first_prefill_done - arrived) - first_prefill.prefill_s),
+                prefill_s=first_prefill.prefill_s,
+                transfer_s=first - first_prefill_done,
                 ttft_s=first - arrived,
-                inter_token=LatencySummary.of(gaps),
-                decode_tokens_per_s=(len(token_times) - 1) / decode_span if decode_span > 0 else 0.0,
+                inter_token=LatencySummary.of([b - a for a, b in zip(times, times[1:])]),
+                decode_tokens_per_s=(len(times) - 1) / span if span > 0 else 0.0,
                 e2e_s=time.perf_counter() - arrived,
-                transfer_bytes=result.handle.bytes,
+                transfer_bytes=first_prefill.handle.bytes,
             ),
             prefill_worker=prefill_member.name,
             decode_worker=decode_member.name,
+            migrations=migrations,
         )
 
-    async def _prefill(self, member: Member, request: GenerateRequest):
-        tokens = len(request.prompt_token_ids)
+    async def _decode(
+        self, member: Member, request: GenerateRequest, prefill: PrefillResult, progress: _Progress
+    ) -> AsyncIterator[TokenChunk]:
         member.outstanding_requests += 1
-        member.outstanding_prompt_tokens += tokens
-        ref = member.actor.prefill.remote(request)
+        stream = member.actor.generate.remote(request, prefill.handle)
+        finished = False
         try:
-            return await ref
-        except BaseException:
-            ray.cancel(ref)
-            raise
+            async for ref in stream:
+                chunk: TokenChunk = await ref
+                progress.add(chunk)
+                finished = chunk.finish_reason is not None
+                yield chunk
         finally:
             member.outstanding_requests -= 1
-            member.outstanding_prompt_tokens -= tokens
+            if not finished:  # caller left early or the actor failed: stop the engine too
+                ray.cancel(stream)
+
+    async def _prefill(self, request: GenerateRequest) -> tuple[Member, PrefillResult]:
+        """Prefill on the best live actor; an actor that dies meanwhile is marked and skipped."""
+        while True:
+            member = self.prefill.pick_prefill()  # raises NoWorkerError when none is left
+            tokens = len(request.prompt_token_ids)
+            member.outstanding_requests += 1
+            member.outstanding_prompt_tokens += tokens
+            ref = member.actor.prefill.remote(request)
+            try:
+                return member, await ref
+            except RayActorError:
+                member.alive = False
+            except BaseException:
+                ray.cancel(ref)
+                raise
+            finally:
+                member.outstanding_requests -= 1
+                member.outstanding_prompt_tokens -= tokens
+

@@ -18,14 +18,21 @@ from prefill_worker.worker import PrefillFailedError
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.convert import decode_request, encode_chunk, encode_final
-from router.orchestrator import GenerationResult, Orchestrator
+from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator
 from router.pools import NoWorkerError
 from vllm_engine.requests import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_UNAVAILABLE = (NoWorkerError, TransferFailedError, HandleExpiredError, PrefillFailedError, RayActorError)
+_UNAVAILABLE = (
+    NoWorkerError,
+    TransferFailedError,
+    HandleExpiredError,
+    PrefillFailedError,
+    DecodeFailedError,
+    RayActorError,
+)
 
 
 class GenerationService(pb_grpc.GenerationServicer):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -99,6 +99,15 @@ class GenerateRequest:
                 f"{n} prompt tokens + max_tokens {self.sampling.max_tokens} exceed the model's "
                 f"maximum length {limits.max_model_len}: shorten the prompt or lower max_tokens",
             )
+
+
+    def continued(self, generated: tuple[int, ...]) -> "GenerateRequest":
+        """This request resumed elsewhere after `generated` tokens were already streamed."""
+        return replace(
+            self,
+            prompt_token_ids=self.prompt_token_ids + generated,
+            sampling=replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated)),
+        )
 
 
 @dataclass(frozen=True, slots=True)

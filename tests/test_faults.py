@@ -1,0 +1,120 @@
+"""Failures with real processes and real kills (SIGKILL of an actor's process)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+from conftest import assert_no_blocks_held, run, wait_until
+from decode_worker import TransferFailedError
+from kv_transfer.connector_config import TransferConfig
+from reference import MAX_TOKENS, assert_matches, collect, decode_tokens, make_request
+from router.deployment import Deployment, DeploymentConfig
+from router.orchestrator import RouterPolicy
+
+
+def _pid(actor) -> int:
+    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+
+
+def _sigkill(actor) -> None:
+    os.kill(_pid(actor), signal.SIGKILL)
+
+
+def _up(engine_config, **kwargs) -> tuple[Deployment, object]:
+    dep = Deployment(DeploymentConfig(engine=engine_config, **kwargs))
+    return dep, run(dep.start())
+
+
+@pytest.fixture(scope="module")
+def fail_policy(ray_cluster, engine_config, reference):
+    dep, orchestrator = _up(engine_config, transfer=TransferConfig(lease_s=10, load_failure_policy="fail"))
+    yield dep, orchestrator
+    dep.shutdown()
+
+
+def test_prefill_killed_before_decode_pulls_fails_fast(fail_policy):
+    dep, _ = fail_policy
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    handle = ray.get(prefill.prefill.remote(make_request("long", "orphan"))).handle
+    _sigkill(prefill)
+    started = time.monotonic()
+    with pytest.raises(TransferFailedError, match="could not load"):
+        run(decode_tokens(decode, make_request("long", "orphan"), handle))
+    assert time.monotonic() - started < 15, "decode must fail fast, not wait out a long timeout"
+
+
+def test_restarted_prefill_actor_serves_again(fail_policy, reference):
+    """Ray restarts the killed actor: a new engine under a new NIXL identity, handshaken anew."""
+    dep, orchestrator = fail_policy
+    prefill = dep.prefill.members[0].actor
+    assert wait_until(lambda: _answers(prefill), timeout_s=60)
+    run(_refresh(dep))
+    tokens, result = run(collect(orchestrator.generate(make_request("over_one_block", "after-restart"))))
+    assert_matches(tokens, reference["over_one_block"])
+    assert_no_blocks_held(dep, timeout_s=15)
+
+
+def _answers(actor) -> bool:
+    try:
+        ray.get(actor.ready.remote(), timeout=5)
+        return True
+    except Exception:
+        return False
+
+
+async def _refresh(dep) -> None:
+    await dep.prefill.refresh_loads(5)
+    await dep.decode.refresh_loads(5)
+
+
+@pytest.fixture(scope="module")
+def recompute_policy(ray_cluster, engine_config, reference, fail_policy):
+    fail_policy[0].shutdown()  # at most a few engines on this box at once
+    dep, orchestrator = _up(
+        engine_config,
+        transfer=TransferConfig(lease_s=10, load_failure_policy="recompute"),
+        num_decode=2,
+        policy=RouterPolicy(on_decode_failure="migrate"),
+    )
+    yield dep, orchestrator
+    dep.shutdown()
+
+
+def test_prefill_killed_recompute_policy_prefills_on_decode(recompute_policy, reference):
+    dep, _ = recompute_policy
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    handle = ray.get(prefill.prefill.remote(make_request("x", "recompute"))).handle
+    _sigkill(prefill)
+    tokens = run(decode_tokens(decode, make_request("x", "recompute"), handle))
+    assert_matches(tokens, reference["x"])
+    wait_until(lambda: _answers(prefill), timeout_s=60)
+
+
+def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_policy, reference):
+    dep, orchestrator = recompute_policy
+    assert wait_until(lambda: _answers(dep.prefill.members[0].actor), timeout_s=60)
+    run(_refresh(dep))
+
+    async def stream_and_kill():
+        tokens, result, killed = [], None, None
+        async for event in orchestrator.generate(make_request("long", "migrate-me")):
+            if hasattr(event, "token_ids"):
+                tokens.extend(event.token_ids)
+                if killed is None and len(tokens) >= 5:
+                    killed = next(m for m in dep.decode.members if m.outstanding_requests)
+                    _sigkill(killed.actor)
+            else:
+                result = event
+        return tokens, result, killed
+
+    tokens, result, killed = run(stream_and_kill())
+    assert result.migrations == 1 and result.decode_worker != killed.name
+    assert result.completion_tokens == MAX_TOKENS == len(tokens)
+    assert_matches(tokens, reference["long"])  # one uninterrupted, correct stream
+    assert wait_until(lambda: _answers(killed.actor), timeout_s=60)  # Ray restarted it
+    assert_no_blocks_held(dep, timeout_s=15)
