@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
     serve = sub.add_parser("serve", help="start or join a Ray cluster, bring up the pools, serve gRPC")
     _add_cluster_args(serve)
-    serve.add_argument("--prefill", type=int, default=1, help="prefill actors")
+    serve.add_argument("--prefill", type=int, default=1, help="prefill actors (0: colocated serving)")
     serve.add_argument("--decode", type=int, default=1, help="decode actors")
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
 

@@ -27,7 +27,7 @@ def default_cpu_cores() -> tuple[str, ...] | None:
 class DeploymentConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
-    num_prefill: int = 1
+    num_prefill: int = 1  # 0: colocated serving (decode engines prefill themselves, no transfer)
     num_decode: int = 1
     policy: RouterPolicy = field(default_factory=RouterPolicy)
     gpus_per_engine: float = 0.0  # 0 on CPU machines
@@ -67,11 +67,11 @@ class Deployment:
                 resources={DECODE_RESOURCE: 1},
                 num_gpus=cfg.gpus_per_engine,
                 max_restarts=cfg.max_restarts,
-            ).remote(f"decode-{i}", cfg.engine_for(cfg.num_prefill + i), cfg.transfer)
+            ).remote(f"decode-{i}", cfg.engine_for(cfg.num_prefill + i), cfg.transfer if cfg.num_prefill else None)
             self.decode.members.append(Member(f"decode-{i}", actor))
         members = self.prefill.members + self.decode.members
         await asyncio.gather(*(m.actor.ready.remote() for m in members))
-        self.limits = await self.prefill.members[0].actor.model_limits.remote()
+        self.limits = await members[0].actor.model_limits.remote()
         return Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
 
     def shutdown(self) -> None:

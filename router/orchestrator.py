@@ -16,6 +16,8 @@ from typing import AsyncIterator, Literal
 import ray
 from ray.exceptions import RayActorError
 
+from kv_transfer.handle import TransferHandle
+from kv_transfer.layout import TransferBytes
 from prefill_worker.worker import PrefillResult
 from router.pools import Member, Pool
 from router.timings import LatencySummary, PhaseTimings
@@ -69,20 +71,24 @@ class Orchestrator:
         self.decode = decode
         self.limits = limits
         self.policy = policy
+        # No prefill pool at all: colocated serving (the decode engines prefill locally),
+        # the baseline disaggregation is measured against, behind the same router.
+        self.colocated = not prefill.members
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
         request.validate(self.limits)  # cheap, and before any engine holds blocks for it
         progress = _Progress()
-        first_leg: tuple[PrefillResult, float] | None = None  # the prefill the timings describe
+        first_leg: tuple[PrefillResult | None, float] | None = None  # the leg the timings describe
         migrations = 0
         current = request
         while True:
-            prefill_member, prefill = await self._prefill(current)
+            prefill_member, prefill = (None, None) if self.colocated else await self._prefill(current)
             first_leg = first_leg or (prefill, time.perf_counter())
             decode_member = self.decode.pick_decode()
             try:
-                async for chunk in self._decode(decode_member, current, prefill, progress):
+                handle = prefill.handle if prefill else None
+                async for chunk in self._decode(decode_member, current, handle, progress):
                     yield chunk
                 break
             except RayActorError as err:
@@ -97,34 +103,21 @@ class Orchestrator:
                     progress.finish_reason = "length"
                     break
 
-        first_prefill, first_prefill_done = first_leg
-        times = progress.token_times
-        first = times[0] if times else time.perf_counter()
-        span = times[-1] - first if len(times) > 1 else 0.0
         yield GenerationResult(
             finish_reason=progress.finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
             completion_tokens=len(progress.token_ids),
-            timings=PhaseTimings(
-                queue_s=max(0.0, (first_prefill_done - arrived) - first_prefill.prefill_s),
-                prefill_s=first_prefill.prefill_s,
-                transfer_s=first - first_prefill_done,
-                ttft_s=first - arrived,
-                inter_token=LatencySummary.of([b - a for a, b in zip(times, times[1:])]),
-                decode_tokens_per_s=(len(times) - 1) / span if span > 0 else 0.0,
-                e2e_s=time.perf_counter() - arrived,
-                transfer_bytes=first_prefill.handle.bytes,
-            ),
-            prefill_worker=prefill_member.name,
+            timings=_timings(arrived, *first_leg, progress.token_times),
+            prefill_worker=prefill_member.name if prefill_member else "",
             decode_worker=decode_member.name,
             migrations=migrations,
         )
 
     async def _decode(
-        self, member: Member, request: GenerateRequest, prefill: PrefillResult, progress: _Progress
+        self, member: Member, request: GenerateRequest, handle: TransferHandle | None, progress: _Progress
     ) -> AsyncIterator[TokenChunk]:
         member.outstanding_requests += 1
-        stream = member.actor.generate.remote(request, prefill.handle)
+        stream = member.actor.generate.remote(request, handle)
         finished = False
         try:
             async for ref in stream:
@@ -156,3 +149,19 @@ class Orchestrator:
                 member.outstanding_requests -= 1
                 member.outstanding_prompt_tokens -= tokens
 
+
+
+def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float, times: list[float]) -> PhaseTimings:
+    first = times[0] if times else time.perf_counter()
+    span = times[-1] - first if len(times) > 1 else 0.0
+    prefill_s = prefill.prefill_s if prefill else 0.0
+    return PhaseTimings(
+        queue_s=max(0.0, (prefill_done - arrived) - prefill_s),
+        prefill_s=prefill_s,
+        transfer_s=first - prefill_done if prefill else 0.0,
+        ttft_s=first - arrived,
+        inter_token=LatencySummary.of([b - a for a, b in zip(times, times[1:])]),
+        decode_tokens_per_s=(len(times) - 1) / span if span > 0 else 0.0,
+        e2e_s=time.perf_counter() - arrived,
+        transfer_bytes=prefill.handle.bytes if prefill else TransferBytes(0, 0),
+    )

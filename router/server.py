@@ -121,7 +121,7 @@ class RouterServer:
         o = self._orchestrator
         timeout = max(1.0, 4 * self._health_interval_s)
         await asyncio.gather(o.prefill.refresh_loads(timeout), o.decode.refresh_loads(timeout))
-        serving = o.prefill.has_live_member and o.decode.has_live_member
+        serving = o.decode.has_live_member and (o.colocated or o.prefill.has_live_member)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)
