@@ -8,6 +8,7 @@ which is also how the colocated baseline runs (`transfer=None`: no connector at 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import AsyncIterator
 
@@ -42,7 +43,9 @@ class DecodeWorker:
             self.engine_id = engine_id_for(Role.DECODE, name, channel)
             set_nixl_progress_thread(transfer.nixl_progress_thread)
             self._loop = EngineLoop.start(
-                engine_config, transfer.kv_transfer_config(Role.DECODE, self.engine_id), channel.process_env()
+                engine_config,
+                transfer.kv_transfer_config(Role.DECODE, self.engine_id),
+                {**channel.process_env(), **transfer.process_env()},
             )
         self.limits: ModelLimits = self._loop.limits
 
@@ -60,7 +63,10 @@ class DecodeWorker:
             handle.check_usable(self._transfer.handle_margin_s)
             extra_args = {"kv_transfer_params": handle.connector_params}
         params = request.sampling.to_vllm(output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
-        async for output in self._loop.generate(request.request_id, list(request.prompt_token_ids), params):
+        outputs = self._loop.generate(request.request_id, list(request.prompt_token_ids), params)
+        if handle is not None:
+            outputs = _first_within(outputs, self._transfer.transfer_timeout_s, handle)
+        async for output in outputs:
             completion = output.outputs[0]
             if completion.finish_reason == "error":
                 raise TransferFailedError(
@@ -84,6 +90,23 @@ class DecodeWorker:
 
     def shutdown(self) -> None:
         self._loop.shutdown()
+
+
+async def _first_within(outputs: AsyncIterator, timeout_s: float, handle: TransferHandle) -> AsyncIterator:
+    """Pass outputs through, failing if the first (which needs the pulled state) is late.
+
+    On timeout the engine loop's generator is cancelled, which aborts the request there.
+    """
+    try:
+        first = await asyncio.wait_for(anext(outputs), timeout_s)
+    except asyncio.TimeoutError:
+        raise TransferFailedError(
+            f"request {handle.request_id}: no KV blocks / DeltaNet state from {handle.engine_id} "
+            f"within {timeout_s:.0f}s (producer stalled or unreachable)"
+        ) from None
+    yield first
+    async for output in outputs:
+        yield output
 
 
 def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:  # noqa: ANN001

@@ -39,6 +39,14 @@ class TransferConfig:
     backends: tuple[str, ...] = ("UCX",)
     # Decode refuses a handle with less lease than this left: its blocks could be freed mid-read.
     handle_margin_s: float = 1.0
+    # Decode gives up on a pull that has produced no first token in this long (vLLM 0.32 has
+    # a handshake timeout but none on a READ from a live but stalled peer).
+    transfer_timeout_s: float = 30.0
+    # UCX transports (UCX_TLS), e.g. "tcp"; None lets UCX choose (shared memory/cma on one host).
+    ucx_transports: str | None = None
+
+    def process_env(self) -> dict[str, str]:
+        return {"UCX_TLS": self.ucx_transports} if self.ucx_transports else {}
 
     def kv_transfer_config(self, role: Role, engine_id: str) -> Any:
         from vllm.config import KVTransferConfig

@@ -40,7 +40,9 @@ class PrefillWorker:
         self._transfer = transfer
         set_nixl_progress_thread(transfer.nixl_progress_thread)
         self._loop = EngineLoop.start(
-            engine_config, transfer.kv_transfer_config(Role.PREFILL, self.engine_id), channel.process_env()
+            engine_config,
+            transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
+            {**channel.process_env(), **transfer.process_env()},
         )
         self.layout = StateLayout.from_kv_cache_config(self._loop.kv_cache_config)
         self.limits: ModelLimits = self._loop.limits

@@ -118,3 +118,33 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
     assert_matches(tokens, reference["long"])  # one uninterrupted, correct stream
     assert wait_until(lambda: _answers(killed.actor), timeout_s=60)  # Ray restarted it
     assert_no_blocks_held(dep, timeout_s=15)
+
+
+@pytest.fixture(scope="module")
+def tcp_transport(ray_cluster, engine_config, reference, recompute_policy):
+    recompute_policy[0].shutdown()
+    # TCP only, as between hosts: a READ then needs the producer's process to make progress.
+    dep, orchestrator = _up(
+        engine_config,
+        transfer=TransferConfig(lease_s=10, ucx_transports="tcp", transfer_timeout_s=5),
+    )
+    yield dep, orchestrator
+    dep.shutdown()
+
+
+def test_transfer_from_a_stalled_peer_times_out(tcp_transport, reference):
+    dep, orchestrator = tcp_transport
+    tokens, _ = run(collect(orchestrator.generate(make_request("short", "tcp-warm"))))  # handshake done
+    assert_matches(tokens, reference["short"])
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    handle = ray.get(prefill.prefill.remote(make_request("long", "stalled"))).handle
+    pid = _pid(prefill)
+    os.kill(pid, signal.SIGSTOP)  # alive but not making progress
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferFailedError, match="within 5s"):
+            run(decode_tokens(decode, make_request("long", "stalled"), handle))
+        assert time.monotonic() - started < 15
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert_no_blocks_held(dep, timeout_s=20)  # decode aborted it; the producer's lease ran out
