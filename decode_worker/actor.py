@@ -7,13 +7,14 @@ import ray
 from decode_worker.worker import DecodeWorker
 from kv_transfer.connector_config import TransferConfig, pick_side_channel
 from vllm_engine.config import EngineConfig
+from vllm_engine.loop import exit_for_restart
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class DecodeActor(DecodeWorker):
     def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
         channel = pick_side_channel(ray.util.get_node_ip_address()) if transfer else None
-        super().__init__(name, engine_config, transfer, channel)
+        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
 
     def ready(self) -> str:
         return self.engine_id

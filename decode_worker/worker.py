@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
 from kv_transfer.handle import TransferHandle
@@ -31,12 +31,13 @@ class DecodeWorker:
         engine_config: EngineConfig,
         transfer: TransferConfig | None,
         channel: SideChannel | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.name = name
         self._transfer = transfer
         if transfer is None:
             self.engine_id = f"colocated-{name}"
-            self._loop = EngineLoop.start(engine_config)
+            self._loop = EngineLoop.start(engine_config, on_fatal=on_fatal)
         else:
             if channel is None:
                 raise ValueError("a decode worker with KV transfer needs a NIXL side channel")
@@ -46,6 +47,7 @@ class DecodeWorker:
                 engine_config,
                 transfer.kv_transfer_config(Role.DECODE, self.engine_id),
                 {**channel.process_env(), **transfer.process_env()},
+                on_fatal,
             )
         self.limits: ModelLimits = self._loop.limits
 

@@ -7,13 +7,14 @@ import ray
 from kv_transfer.connector_config import TransferConfig, pick_side_channel
 from prefill_worker.worker import PrefillWorker
 from vllm_engine.config import EngineConfig
+from vllm_engine.loop import exit_for_restart
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class PrefillActor(PrefillWorker):
     def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig) -> None:
         channel = pick_side_channel(ray.util.get_node_ip_address())
-        super().__init__(name, engine_config, transfer, channel)
+        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
 
     def ready(self) -> str:
         return self.engine_id

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
 from kv_transfer.handle import TransferHandle
@@ -33,7 +34,12 @@ class PrefillResult:
 
 class PrefillWorker:
     def __init__(
-        self, name: str, engine_config: EngineConfig, transfer: TransferConfig, channel: SideChannel
+        self,
+        name: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig,
+        channel: SideChannel,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.name = name
         self.engine_id = engine_id_for(Role.PREFILL, name, channel)
@@ -43,6 +49,7 @@ class PrefillWorker:
             engine_config,
             transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
             {**channel.process_env(), **transfer.process_env()},
+            on_fatal,
         )
         self.layout = StateLayout.from_kv_cache_config(self._loop.kv_cache_config)
         self.limits: ModelLimits = self._loop.limits

@@ -72,7 +72,9 @@ class Deployment:
         members = self.prefill.members + self.decode.members
         await asyncio.gather(*(m.actor.ready.remote() for m in members))
         self.limits = await members[0].actor.model_limits.remote()
-        return Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
+        orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
+        await orchestrator.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
+        return orchestrator
 
     def shutdown(self) -> None:
         for member in self.prefill.members + self.decode.members:

@@ -9,6 +9,8 @@ one uninterrupted stream.
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
@@ -21,7 +23,9 @@ from kv_transfer.layout import TransferBytes
 from prefill_worker.worker import PrefillResult
 from router.pools import Member, Pool
 from router.timings import LatencySummary, PhaseTimings
-from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
+from vllm_engine.requests import GenerateRequest, ModelLimits, SamplingConfig, TokenChunk
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +34,11 @@ class RouterPolicy:
     # with UNAVAILABLE ("fail"). Transfer failures are vLLM's `load_failure_policy`.
     on_decode_failure: Literal["migrate", "fail"] = "migrate"
     max_migrations: int = 2
+    # Prompts shorter than this skip the prefill pool: the decode engine prefills them
+    # itself (conditional disaggregation). Raise it (vLLM's own kv_recompute_threshold is
+    # 64) where a short prefill costs less than a transfer. At least 3 on CPU hybrids:
+    # prefill computes N-1 tokens and vLLM 0.32's CPU conv kernel fails on 1-token prefills.
+    local_prefill_below: int = 3
 
 
 class DecodeFailedError(RuntimeError):
@@ -74,6 +83,35 @@ class Orchestrator:
         # No prefill pool at all: colocated serving (the decode engines prefill locally),
         # the baseline disaggregation is measured against, behind the same router.
         self.colocated = not prefill.members
+        # (prefill, decode) actor pairs whose NIXL handshake was done ahead of traffic,
+        # with how long that first transfer took.
+        self.handshakes: dict[tuple[str, str], float] = {}
+
+    async def refresh(self, poll_timeout_s: float, handshake_timeout_s: float = 30.0) -> None:
+        """Poll both pools. An actor that joins (start-up, restart) first completes its NIXL
+        handshake with every live actor of the other pool, so no user request pays for it."""
+        joining_prefill, joining_decode = await asyncio.gather(
+            self.prefill.refresh_loads(poll_timeout_s), self.decode.refresh_loads(poll_timeout_s)
+        )
+        if not self.colocated:
+            decode = [m for m in self.decode.members if m.alive] + joining_decode
+            prefill = [m for m in self.prefill.members if m.alive]
+            pairs = [(p, d) for p in joining_prefill for d in decode] + [(p, d) for p in prefill for d in joining_decode]
+            await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
+        for member in joining_prefill + joining_decode:
+            member.alive = True
+
+    async def _handshake(self, prefill: Member, decode: Member, timeout_s: float) -> None:
+        request_id = f"handshake-{prefill.name}-{decode.name}-{time.monotonic_ns()}"
+        request = GenerateRequest(request_id, tuple(range(1, 17)), SamplingConfig(max_tokens=1))
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(prefill.actor.prefill.remote(request), timeout_s)
+            await asyncio.wait_for(_drain(decode.actor.generate.remote(request, result.handle)), timeout_s)
+        except Exception:  # a peer that cannot handshake now will on its first request
+            log.warning("pre-warm handshake %s -> %s failed", prefill.name, decode.name, exc_info=True)
+            return
+        self.handshakes[(prefill.name, decode.name)] = time.perf_counter() - started
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
@@ -83,7 +121,8 @@ class Orchestrator:
         migrations = 0
         current = request
         while True:
-            prefill_member, prefill = (None, None) if self.colocated else await self._prefill(current)
+            local = self.colocated or len(current.prompt_token_ids) < self.policy.local_prefill_below
+            prefill_member, prefill = (None, None) if local else await self._prefill(current)
             first_leg = first_leg or (prefill, time.perf_counter())
             decode_member = self.decode.pick_decode()
             try:
@@ -165,3 +204,8 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
         e2e_s=time.perf_counter() - arrived,
         transfer_bytes=prefill.handle.bytes if prefill else TransferBytes(0, 0),
     )
+
+
+async def _drain(stream) -> None:  # noqa: ANN001
+    async for ref in stream:
+        await ref

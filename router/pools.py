@@ -22,7 +22,9 @@ class Member:
     outstanding_requests: int = 0
     outstanding_prompt_tokens: int = 0
     load: EngineLoad | None = None
-    alive: bool = True  # false once its load report fails: not picked any more
+    # Picked only while alive: set once it answers (and is handshaken with the other pool),
+    # cleared when a load report or a call fails.
+    alive: bool = False
 
 
 @dataclass(slots=True)
@@ -60,8 +62,12 @@ class Pool:
     def has_live_member(self) -> bool:
         return any(m.alive for m in self.members)
 
-    async def refresh_loads(self, timeout_s: float) -> None:
-        """Poll every member's load; one that does not answer in time counts as dead."""
+    async def refresh_loads(self, timeout_s: float) -> list[Member]:
+        """Poll every member's load; one that does not answer in time counts as dead.
+
+        Returns the members that answer but are not alive yet (new or restarted): the
+        caller decides when they may take traffic.
+        """
 
         async def report(member: Member) -> EngineLoad | None:
             try:
@@ -70,9 +76,14 @@ class Pool:
                 return None
 
         reports = await asyncio.gather(*(report(m) for m in self.members))
+        joining = []
         for member, load in zip(self.members, reports):
             member.load = load
-            member.alive = load is not None
+            if load is None:
+                member.alive = False
+            elif not member.alive:
+                joining.append(member)
+        return joining
 
 
 class NoWorkerError(RuntimeError):

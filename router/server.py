@@ -119,8 +119,7 @@ class RouterServer:
 
     async def _update_health(self) -> None:
         o = self._orchestrator
-        timeout = max(1.0, 4 * self._health_interval_s)
-        await asyncio.gather(o.prefill.refresh_loads(timeout), o.decode.refresh_loads(timeout))
+        await o.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
         serving = o.decode.has_live_member and (o.colocated or o.prefill.has_live_member)
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         await self._health.set("", status)

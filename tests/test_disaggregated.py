@@ -32,6 +32,12 @@ def deployment(ray_cluster, engine_config, reference):
     dep.shutdown()
 
 
+def test_every_pair_is_handshaken_before_traffic(deployment):
+    _, orchestrator = deployment
+    assert set(orchestrator.handshakes) == {("prefill-0", "decode-0")}
+    assert all(m.alive for m in orchestrator.prefill.members + orchestrator.decode.members)
+
+
 def test_reference_outputs_differ_per_prompt(reference):
     # Guards the comparisons below: equal outputs for different prompts would prove nothing.
     assert len({tuple(v.decisive) for v in reference.values()}) == len(reference)

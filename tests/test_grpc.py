@@ -164,16 +164,26 @@ def test_deadline_shorter_than_generation(stack):
         ({"stop_token_ids": [-1]}, "short", "stop_token_ids"),
         ({}, "too_long", "prompt"),
         ({}, "empty", "prompt"),
+        ({}, "one_token", "prompt"),
     ],
 )
 def test_invalid_parameters_are_invalid_argument_naming_the_field(stack, sampling, prompt, field):
-    special = {"too_long": [5] * 9000, "empty": []}
+    special = {"too_long": [5] * 9000, "empty": [], "one_token": [7]}
     ids = special[prompt] if prompt in special else _ids(prompt)
     request = build_request(ids, **sampling)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         _call(stack, lambda ch: _stream(ch, request))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(f"{field}:"), err.value.details()
+    assert_no_blocks_held(stack[0])
+
+
+def test_very_short_prompt_is_prefilled_on_the_decode_engine(stack):
+    # Below the policy's threshold the router skips the prefill pool (no transfer at all).
+    request = build_request([11, 12], max_tokens=4, ignore_eos=True)
+    tokens, _, final = _call(stack, lambda ch: _stream(ch, request))
+    assert len(tokens) == 4 and final.prefill_worker == ""
+    assert final.timings.attention_kv_bytes == final.timings.deltanet_state_bytes == 0
     assert_no_blocks_held(stack[0])
 
 

@@ -30,6 +30,13 @@ def test_invalid_field_is_named(prompt, sampling, field):
     assert str(err.value).startswith(f"{field}:")
 
 
+def test_minimum_prompt_length_of_the_model_is_enforced():
+    limits = ModelLimits(max_model_len=128, vocab_size=100, min_prompt_tokens=2)
+    with pytest.raises(InvalidRequestError, match="at least 2"):
+        GenerateRequest("r", (1,), SamplingConfig()).validate(limits)
+    GenerateRequest("r", (1, 2), SamplingConfig()).validate(limits)
+
+
 def test_valid_request_passes_and_maps_to_vllm():
     request = GenerateRequest("r", (1, 2, 3), SamplingConfig(max_tokens=8, top_k=0, stop=("x",)))
     request.validate(LIMITS)

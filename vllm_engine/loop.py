@@ -52,9 +52,22 @@ class _Abort:
     request_id: str
 
 
+def exit_for_restart(exc: BaseException) -> None:
+    """`on_fatal` for engines inside a supervised process (a Ray actor): die loudly so the
+    supervisor restarts a fresh engine, instead of lingering as a zombie that accepts work."""
+    import os
+    import sys
+
+    print(f"vLLM engine failed, exiting for restart: {exc!r}", file=sys.stderr, flush=True)
+    os._exit(70)
+
+
 class EngineLoop:
-    def __init__(self, engine: "LLMEngine") -> None:
+    def __init__(self, engine: "LLMEngine", on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._engine = engine
+        # An exception out of step() leaves the engine in an unknown state: callers are
+        # told, then `on_fatal` decides (a Ray actor exits so Ray restarts it).
+        self._on_fatal = on_fatal
         self._scheduler = engine.engine_core.engine_core.scheduler
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._sinks: dict[str, Callable[[Any], None]] = {}
@@ -64,18 +77,25 @@ class EngineLoop:
 
     @classmethod
     def start(
-        cls, config: EngineConfig, kv_transfer_config: Any = None, env: dict[str, str] | None = None
+        cls,
+        config: EngineConfig,
+        kv_transfer_config: Any = None,
+        env: dict[str, str] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> "EngineLoop":
         """Build the engine in this process (env first: vLLM reads it at engine creation)."""
         apply_process_env({**config.process_env(), **(env or {})})
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(config.engine_args(kv_transfer_config)))
+        return cls(LLMEngine.from_engine_args(config.engine_args(kv_transfer_config)), on_fatal)
 
     @property
     def limits(self) -> ModelLimits:
+        from vllm.platforms import current_platform
+
         model_config = self._engine.model_config
-        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size())
+        hybrid_on_cpu = current_platform.is_cpu() and self._engine.vllm_config.model_config.is_hybrid
+        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
 
     @property
     def kv_cache_config(self) -> Any:
@@ -166,6 +186,8 @@ class EngineLoop:
             for sink in self._sinks.values():
                 sink(exc)
             self._sinks.clear()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
             raise
         for output in outputs:
             sink = self._sinks.get(output.request_id)

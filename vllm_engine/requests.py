@@ -26,6 +26,9 @@ class InvalidRequestError(ValueError):
 class ModelLimits:
     max_model_len: int
     vocab_size: int
+    # vLLM 0.32's CPU Gated-DeltaNet conv kernel fails on a 1-token prefill, so hybrids on
+    # CPU need prompts of 2+ tokens (GPU kernels and attention-only models do not).
+    min_prompt_tokens: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +90,10 @@ class GenerateRequest:
         n = len(self.prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("prompt", "is empty: give prompt text or at least one token id")
+        if n < limits.min_prompt_tokens:
+            raise InvalidRequestError(
+                "prompt", f"has {n} token(s); this model on this device needs at least {limits.min_prompt_tokens}"
+            )
         bad = [t for t in self.prompt_token_ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise InvalidRequestError(

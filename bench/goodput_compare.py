@@ -1,0 +1,164 @@
+"""Goodput of disaggregated vs colocated serving on the same cores, side by side, one command.
+
+Brings up, one after the other (never more than two engines alive), behind the same router
+code and gRPC server in this process:
+- disaggregated: 1 prefill + 1 decode engine (one core each);
+- colocated: 0 prefill + 2 decode engines that prefill themselves (one core each);
+and sweeps the same Poisson arrival rates with the same requests (bench.loadgen) on each.
+Prints goodput per rate, the ratio disaggregated / colocated, and where each saturates:
+the peak goodput (where it stops growing) and the highest rate whose SLO attainment is
+still >= 90% (DistServe's per-system goodput).
+
+Default SLOs, for the default ~1000-token prompts / ~50-token outputs on this 2-core CPU
+box: TTFT <= 1 s and a request's mean inter-token time <= 25 ms. A lone request sees TTFT
+130-190 ms and 8-12 ms per token on either system (README table; first sweep point), so the
+TTFT SLO (~5x) leaves room to queue behind a few prefills, and the ITL SLO (~2.5x, a stream
+of >= 40 tok/s) is where a prefill stalling the decode batch starts to show. Both loosen
+with --ttft-slo / --itl-slo; with ITL 50 ms the comparison is about raw capacity only.
+
+Bounded: rates x --num-requests requests per system, each rate cut at --time-limit seconds;
+the defaults finish in about 5-6 minutes (at most ~9) on this machine.
+
+    python -m bench.goodput_compare [--rates 1 2 3 4 5] [--num-requests 40] [--itl-slo 0.025]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.loadgen import PROFILES, SLO, LoadConfig, RunReport, plot_cdfs, plot_goodput, sweep, write_json
+from router.deployment import Deployment, DeploymentConfig
+from router.ray_cluster import start_local
+from router.server import RouterServer
+from vllm_engine.config import EngineConfig, resolve_model
+
+ATTAINMENT_TARGET = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str
+    num_prefill: int
+    num_decode: int
+
+
+# Same total cores (DeploymentConfig pins one engine per core).
+SYSTEMS = (System("disaggregated", 1, 1), System("colocated", 0, 2))
+
+
+@dataclass(frozen=True, slots=True)
+class Saturation:
+    peak_goodput_rps: float
+    peak_rate: float  # goodput stops growing past this rate
+    max_rate_within_slo: float | None  # highest rate before attainment first drops below target
+
+
+def saturation(reports: Sequence[RunReport]) -> Saturation:
+    """Reports in increasing rate order."""
+    peak = max(reports, key=lambda r: r.summary.goodput_rps)
+    within = None
+    for report in reports:
+        if report.summary.slo_attainment < ATTAINMENT_TARGET:
+            break
+        within = report.rate
+    return Saturation(peak.summary.goodput_rps, peak.rate, within)
+
+
+def goodput_ratio(disaggregated: RunReport, colocated: RunReport) -> float | None:
+    base = colocated.summary.goodput_rps
+    return disaggregated.summary.goodput_rps / base if base else None
+
+
+async def measure(system: System, model: str, rates: Sequence[float], config: LoadConfig) -> list[RunReport]:
+    deployment = Deployment(
+        DeploymentConfig(engine=EngineConfig(model=model), num_prefill=system.num_prefill, num_decode=system.num_decode)
+    )
+    started = time.perf_counter()
+    try:
+        orchestrator = await deployment.start()
+        # Token-id prompts only: no tokenizer needed in the router.
+        server = RouterServer(orchestrator, lambda text: [], model)
+        await server.start()
+        print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {server.address}", flush=True)
+        try:
+            return await sweep(server.address, rates, config, label=f"{system.name} ")
+        finally:
+            await server.stop(0)
+    finally:
+        deployment.shutdown()
+
+
+def _cell(report: RunReport) -> str:
+    s = report.summary
+    ttft = s.ttft_s.p90
+    itl = s.request_itl_s.p90
+    return (
+        f"{s.goodput_rps:5.2f} {s.slo_attainment:5.0%} "
+        f"{'-' if ttft is None else f'{ttft * 1e3:6.0f}':>6} {'-' if itl is None else f'{itl * 1e3:5.1f}':>5}"
+    )
+
+
+def print_table(results: dict[str, list[RunReport]]) -> None:
+    disagg, coloc = results["disaggregated"], results["colocated"]
+    slo = disagg[0].slo
+    print(f"\nSLO: TTFT <= {slo.ttft_s * 1e3:g} ms and per-request {slo.itl_stat} ITL <= {slo.itl_s * 1e3:g} ms")
+    header = "goodput  SLO%  TTFTp90 ITLp90"
+    print(f"{'rate':>5} | {'disaggregated':^29} | {'colocated':^29} | goodput ratio")
+    print(f"{'req/s':>5} | {header} | {header} | disagg / coloc")
+    for d, c in zip(disagg, coloc):
+        ratio = goodput_ratio(d, c)
+        print(f"{d.rate:5g} | {_cell(d):>29} | {_cell(c):>29} | {'-' if ratio is None else f'{ratio:.2f}x'}")
+    print("(goodput req/s; SLO% = share of requests meeting both SLOs; TTFT ms; ITL = p90 of per-request ITL, ms)")
+    for name, reports in results.items():
+        s = saturation(reports)
+        within = "none" if s.max_rate_within_slo is None else f"{s.max_rate_within_slo:g} req/s"
+        print(
+            f"{name:>13}: peak goodput {s.peak_goodput_rps:.2f} req/s at {s.peak_rate:g} req/s; "
+            f"highest rate with >= {ATTAINMENT_TARGET:.0%} within SLO: {within}"
+        )
+    d, c = saturation(disagg), saturation(coloc)
+    print(f"peak goodput ratio disaggregated / colocated: {d.peak_goodput_rps / c.peak_goodput_rps:.2f}x")
+
+
+async def compare(model: str, rates: Sequence[float], config: LoadConfig) -> dict[str, list[RunReport]]:
+    # Sequential, one deployment at a time: both get the machine's cores to themselves.
+    return {system.name: await measure(system, model, rates, config) for system in SYSTEMS}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 3, 4, 5], help="req/s, increasing")
+    parser.add_argument("--num-requests", type=int, default=40, help="per rate")
+    parser.add_argument("--time-limit", type=float, default=45.0, help="seconds per rate")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
+    parser.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
+    parser.add_argument("--itl-slo", type=float, default=SLO().itl_s, help="seconds")
+    parser.add_argument("--itl-stat", choices=["mean", "p90"], default="mean", help="per-request ITL statistic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/goodput_compare.json"))
+    args = parser.parse_args()
+    config = LoadConfig(
+        num_requests=args.num_requests,
+        time_limit_s=args.time_limit,
+        profile=PROFILES[args.profile],
+        seed=args.seed,
+        slo=SLO(args.ttft_slo, args.itl_slo, args.itl_stat),
+    )
+    started = time.perf_counter()
+    start_local()
+    results = asyncio.run(compare(resolve_model(args.model), sorted(args.rates), config))
+    write_json(args.out, {name: [asdict(r) for r in reports] for name, reports in results.items()})
+    plot_goodput(results, args.out.with_name(f"{args.out.stem}_goodput.png"))
+    plot_cdfs([r for reports in results.values() for r in reports], args.out.with_name(f"{args.out.stem}_cdf.png"))
+    print_table(results)
+    print(f"results: {args.out} (+ _goodput.png, _cdf.png); wall time {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""The deploy/ configs on real Ray machinery, on this one machine, inside a sandbox.
+
+- Ray's fake multi-node provider with deploy/aws-h100.yaml's node types: actors asking for
+  what an engine asks for launch a node of the matching type; idle nodes are released.
+- `ray up` of deploy/onprem.yaml on loopback: three SSH "hosts" (head, prefill, decode),
+  deploy/launch.py brings up the router and pools, one gRPC generation, `ray down`.
+
+`Sandbox` gives each test private network (loopback only), PID and mount namespaces with
+their own /root and /tmp, so nothing touches another Ray on this machine, root's real home
+or /tmp, and killing the sandbox's first process kills everything started inside it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import wait_until
+
+from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+VENV_BIN = Path(sys.executable).parent
+HEAD, PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3", "127.0.0.4"
+SSH_KEY = "/root/.ssh/id_ed25519"  # inside the sandbox
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class Sandbox:
+    """Private net/PID/mount namespaces. /root is `home`, /tmp is `workspace/tmp` inside."""
+
+    def __init__(self, workspace: Path) -> None:
+        self.home = workspace / "home"
+        self.logs = workspace / "logs"
+        for d in (self.home / ".ssh", workspace / "tmp", self.logs):
+            d.mkdir(parents=True, mode=0o700)
+        # unshare dies with this process (pdeathsig) and its child, the namespaces' init,
+        # dies with unshare (--kill-child): a crashed test leaves nothing behind.
+        self._holder = subprocess.Popen(
+            ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--propagation=private",
+             "--kill-child", "sleep", "infinity"],
+            preexec_fn=_die_with_parent,
+        )  # fmt: skip
+        self._background: list[subprocess.Popen] = []
+        self.init_pid = self._child_of(self._holder.pid)
+        # The venv's interpreter may live in the real home (pyenv): show it, read-only.
+        base = Path(sys.base_prefix)
+        mounts = ["ip link set lo up"]
+        if base.is_relative_to(Path.home()):
+            inside = self.home / base.relative_to(Path.home())
+            inside.mkdir(parents=True)
+            mounts += [f"mount --bind {base} {inside}", f"mount -o remount,bind,ro {inside}"]
+        mounts += [
+            f"mount --rbind {self.home} /root",
+            f"mount --bind {workspace / 'tmp'} /tmp",
+            "mount -t tmpfs tmpfs /run",  # sshd wants /run/sshd; keep it off the real /run
+            "mkdir -m 755 /run/sshd",
+        ]
+        self.run(" && ".join(mounts), check=True)
+
+    @staticmethod
+    def _child_of(pid: int) -> int:
+        children = Path(f"/proc/{pid}/task/{pid}/children")
+        for _ in range(100):
+            if ids := children.read_text().split():
+                return int(ids[0])
+            time.sleep(0.05)
+        raise RuntimeError("unshare started no child")
+
+    def _enter(self, cmd: str) -> list[str]:
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", f"--wd={REPO}", "bash", "-c", cmd]
+
+    def run(self, cmd: str, timeout: float = 60, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+        result = subprocess.run(self._enter(cmd), capture_output=True, text=True, timeout=timeout, env=env)
+        if check:
+            assert result.returncode == 0, f"{cmd!r} failed:\n{_tail(result)}"
+        return result
+
+    def spawn(self, cmd: str, log_name: str) -> None:
+        with open(self.logs / log_name, "wb") as log:
+            self._background.append(subprocess.Popen(self._enter(cmd), stdout=log, stderr=subprocess.STDOUT))
+
+    def processes(self) -> list[str]:
+        return self.run("ps -eo comm=", check=True).stdout.split()
+
+    def close(self) -> None:
+        self._holder.kill()
+        self._holder.wait()
+        for proc in self._background:
+            proc.wait(timeout=10)
+
+
+def _tail(result: subprocess.CompletedProcess, lines: int = 60) -> str:
+    return "\n".join((result.stdout + result.stderr).splitlines()[-lines:])
+
+
+@pytest.fixture
+def sandbox(tmp_path):
+    box = Sandbox(tmp_path)
+    yield box
+    box.close()
+
+
+def _client_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", HOME="/root", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    return {**env, **extra}
+
+
+# ---- fake multi-node autoscaling with the AWS node types ------------------------------------
+
+
+def fake_cluster_config() -> dict:
+    """deploy/aws-h100.yaml's node types on Ray's fake provider, starting empty, with a
+    6 s idle timeout."""
+    aws = yaml.safe_load((DEPLOY / "aws-h100.yaml").read_text())
+    head = aws["head_node_type"]
+    node_types = {head: {"resources": {"CPU": 1}, "node_config": {}, "max_workers": 0}}
+    for name, node_type in aws["available_node_types"].items():
+        if name == head:
+            continue
+        engines = sum(node_type["resources"].get(r, 0) for r in (PREFILL_RESOURCE, DECODE_RESOURCE))
+        node_types[name] = {
+            # AWS reads CPUs and GPUs off the instance type; here: one GPU per engine slot.
+            "resources": {"CPU": 1, "GPU": engines, "object_store_memory": 100 << 20, **node_type["resources"]},
+            "node_config": {},
+            "min_workers": 0,  # nodes must come from demand
+            "max_workers": node_type["max_workers"],
+        }
+    commands = ("initialization", "setup", "head_setup", "worker_setup", "head_start_ray", "worker_start_ray")
+    return {
+        "cluster_name": "pdserve-fake",
+        "max_workers": aws["max_workers"],
+        "upscaling_speed": aws["upscaling_speed"],
+        "idle_timeout_minutes": 0.1,
+        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
+                     "disable_launch_config_check": True},  # fmt: skip
+        "auth": {},
+        "docker": {},
+        "available_node_types": node_types,
+        "head_node_type": head,
+        "file_mounts": {},
+        "cluster_synced_files": [],
+        "file_mounts_sync_continuously": False,
+        "rsync_exclude": [],
+        "rsync_filter": [],
+        **{f"{c}_commands": [] for c in commands},
+    }
+
+
+def drive_fake_cluster() -> None:
+    """Runs inside the sandbox as a Ray driver: prints one JSON line per observation."""
+    import ray
+
+    ray.init(address="auto", log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class Engine:  # asks for what a pdserve engine actor asks for on a GPU cluster
+        def node(self) -> str:
+            return ray.get_runtime_context().get_node_id()
+
+    def pool_nodes() -> dict[str, list[str]]:
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        return {r: sorted(n["NodeID"] for n in alive if r in n["Resources"]) for r in (PREFILL_RESOURCE, DECODE_RESOURCE)}
+
+    def report(step: str, **fields: object) -> None:
+        print(json.dumps({"step": step, "t": round(time.monotonic() - start, 1), "pool_nodes": pool_nodes(), **fields}), flush=True)
+
+    start = time.monotonic()
+    report("empty")
+    engines = []
+    for resource in (PREFILL_RESOURCE, DECODE_RESOURCE):
+        engine = Engine.options(resources={resource: 1}, num_gpus=1).remote()
+        engines.append(engine)
+        report(f"{resource} actor up", node=ray.get(engine.node.remote(), timeout=90))
+    for engine in engines:
+        ray.kill(engine)
+    deadline = time.monotonic() + 90
+    while any(pool_nodes().values()) and time.monotonic() < deadline:
+        time.sleep(1)
+    report("idle")
+
+
+@pytest.mark.slow
+def test_engines_launch_their_node_types_and_idle_nodes_go(sandbox):
+    (sandbox.home / "fake.yaml").write_text(yaml.safe_dump(fake_cluster_config()))
+    env = _client_env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+    sandbox.run(
+        "ray start --head --port=6379 --autoscaling-config=/root/fake.yaml --num-cpus=1 "
+        "--object-store-memory=100000000 --include-dashboard=false",
+        timeout=90, env=env, check=True,
+    )  # fmt: skip
+    drive = sandbox.run(
+        "cd tests && python -c 'from test_deploy_loopback import drive_fake_cluster; drive_fake_cluster()'",
+        timeout=300, env=env,
+    )  # fmt: skip
+    assert drive.returncode == 0, _tail(drive)
+    steps = {s["step"]: s for s in map(json.loads, drive.stdout.splitlines())}
+    print(json.dumps(steps, indent=1))
+
+    assert steps["empty"]["pool_nodes"] == {PREFILL_RESOURCE: [], DECODE_RESOURCE: []}
+    prefill_up = steps[f"{PREFILL_RESOURCE} actor up"]
+    assert prefill_up["pool_nodes"] == {PREFILL_RESOURCE: [prefill_up["node"]], DECODE_RESOURCE: []}
+    decode_up = steps[f"{DECODE_RESOURCE} actor up"]
+    assert decode_up["pool_nodes"] == {PREFILL_RESOURCE: [prefill_up["node"]], DECODE_RESOURCE: [decode_up["node"]]}
+    assert steps["idle"]["pool_nodes"] == {PREFILL_RESOURCE: [], DECODE_RESOURCE: []}, "idle nodes were not released"
+
+
+# ---- `ray up` on loopback -------------------------------------------------------------------
+
+SSHD_CONFIG = """\
+ListenAddress {ip}:22
+HostKey /root/.ssh/host_key
+AuthorizedKeysFile /root/.ssh/authorized_keys
+PermitRootLogin prohibit-password
+PasswordAuthentication no
+KbdInteractiveAuthentication no
+UsePAM no
+PidFile none
+MaxStartups 100
+MaxSessions 100
+LogLevel ERROR
+"""
+
+# What the on-prem setup commands leave in ~/.bashrc, pointed at this checkout's venv.
+BASHRC = """\
+source ~/pdserve/.venv/bin/activate
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+"""
+
+
+def _ensure_ssh_tools() -> None:
+    if shutil.which("sshd", path="/usr/sbin") and shutil.which("rsync"):
+        return
+    # Debian's policy-rc.d in containers keeps the package from starting a system sshd.
+    subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "rsync"],
+                   check=True, capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+
+
+def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
+    """One sshd per host address, each in its own PID and mount namespace with its own /tmp:
+    every host sees only its own Ray (`ray stop` on one host leaves the others alone)."""
+    _ensure_ssh_tools()
+    ssh = box.home / ".ssh"
+    for key in ("id_ed25519", "host_key"):
+        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", ssh / key], check=True)
+    shutil.copy(ssh / "id_ed25519.pub", ssh / "authorized_keys")
+    for ip in ips:
+        node = box.home / "hosts" / ip
+        (node / "tmp").mkdir(parents=True)
+        (node / "sshd_config").write_text(SSHD_CONFIG.format(ip=ip))
+        inside = f"/root/hosts/{ip}"
+        box.spawn(
+            "unshare --pid --fork --mount --mount-proc --propagation=private --kill-child "
+            f"sh -c 'mount --bind {inside}/tmp /tmp && exec /usr/sbin/sshd -D -e -f {inside}/sshd_config'",
+            f"sshd-{ip}.log",
+        )
+    probe = f"ssh -i {SSH_KEY} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
+    for ip in ips:
+        assert wait_until(lambda: box.run(f"{probe} root@{ip} true").returncode == 0, 10), f"no sshd on {ip}"
+
+
+def loopback_config() -> dict:
+    """deploy/onprem.yaml with the loopback hosts, root's sandbox key, and no install (the
+    hosts share this checkout's venv)."""
+    config = yaml.safe_load((DEPLOY / "onprem.yaml").read_text())
+    config["cluster_name"] = "pdserve-loopback"
+    config["provider"].update(head_ip=HEAD, worker_ips=[PREFILL_HOST, DECODE_HOST])
+    config["auth"] = {"ssh_user": "root", "ssh_private_key": SSH_KEY}
+    config["setup_commands"] = []
+    commands = []
+    for cmd in config["worker_start_ray_commands"]:
+        cmd, n_prefill = re.subn(r'PREFILL_HOSTS="[^"]*"', f'PREFILL_HOSTS="{PREFILL_HOST}"', cmd)
+        cmd, n_decode = re.subn(r'DECODE_HOSTS="[^"]*"', f'DECODE_HOSTS="{DECODE_HOST}"', cmd)
+        commands.append(cmd)
+    assert n_prefill == n_decode == 1, "onprem.yaml's worker start command no longer sets PREFILL_HOSTS/DECODE_HOSTS"
+    config["worker_start_ray_commands"] = commands
+    return config
+
+
+@pytest.mark.slow
+def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
+    start_ssh_hosts(sandbox, [HEAD, PREFILL_HOST, DECODE_HOST])
+    (sandbox.home / "pdserve").symlink_to(REPO)
+    (sandbox.home / ".bashrc").write_text(BASHRC)
+    shutil.copytree(model_path, sandbox.home / "model")
+    (sandbox.home / "cluster.yaml").write_text(yaml.safe_dump(loopback_config(), sort_keys=False))
+    # Autoscaler v2 never launches the local provider's workers.
+    env = _client_env(RAY_UP_enable_autoscaler_v2="0")
+    timings = {}
+
+    def timed(name: str, cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        t0 = time.monotonic()
+        result = sandbox.run(cmd, timeout=timeout, env=env)
+        timings[name] = round(time.monotonic() - t0, 1)
+        return result
+
+    def step(name: str, cmd: str, timeout: float) -> subprocess.CompletedProcess:
+        result = timed(name, cmd, timeout)
+        assert result.returncode == 0, f"{name} failed:\n{_tail(result)}"
+        return result
+
+    try:
+        step("ray up", "ray up -y /root/cluster.yaml", 240)
+        launch = step("launch", "python deploy/launch.py /root/cluster.yaml --timeout 150 -- --model /root/model", 240)
+        assert f"node {PREFILL_HOST}: 1 prefill slot(s)" in launch.stdout, _tail(launch)
+        assert f"node {DECODE_HOST}: 1 decode slot(s)" in launch.stdout, _tail(launch)
+        assert "1 prefill + 1 decode engines" in launch.stdout, _tail(launch)
+
+        gen = step("generate", f"pdserve generate --target {HEAD}:50051 --max-tokens 8 'Prefill reads the prompt'", 60)
+        usage = re.search(r"prompt / completion tokens\s+(\d+) / (\d+)", gen.stdout)
+        assert usage and int(usage[1]) > 0 and int(usage[2]) > 0, _tail(gen)
+        assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.M), _tail(gen)
+        assert re.search(r"on decode-0$", gen.stdout, re.M), _tail(gen)
+
+        stop = step("launch --stop", "python deploy/launch.py /root/cluster.yaml --stop", 90)
+        assert "stopped pdserve serve" in stop.stdout, _tail(stop)
+    finally:
+        down = timed("ray down", "ray down -y /root/cluster.yaml", 120)
+        print(timings)
+    assert down.returncode == 0, _tail(down)
+    left = {"raylet", "gcs_server", "pdserve"} & set(sandbox.processes())
+    assert not left, f"still running after ray down: {left}"
