@@ -6,6 +6,7 @@ import ray
 
 from decode_worker.worker import DecodeWorker
 from kv_transfer.connector_config import TransferConfig, pick_side_channel
+from kv_transfer.metrics import serve_metrics
 from vllm_engine.config import EngineConfig
 from vllm_engine.loop import exit_for_restart
 
@@ -15,6 +16,11 @@ class DecodeActor(DecodeWorker):
     def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
         channel = pick_side_channel(ray.util.get_node_ip_address()) if transfer else None
         super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
+        self._metrics_address = serve_metrics(ray.util.get_node_ip_address())
 
     def ready(self) -> str:
         return self.engine_id
+
+    def metrics_address(self) -> str:
+        """Where Prometheus scrapes this worker's transfer metrics."""
+        return self._metrics_address

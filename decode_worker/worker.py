@@ -12,8 +12,14 @@ import asyncio
 import time
 from typing import AsyncIterator, Callable
 
-from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
+from kv_transfer.connector_config import (
+    Role,
+    SideChannel,
+    TransferConfig,
+    engine_id_for,
+)
 from kv_transfer.handle import TransferHandle
+from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
 from kv_transfer.progress_thread import set_nixl_progress_thread
 from vllm_engine.config import EngineConfig
 from vllm_engine.loop import EngineLoad, EngineLoop
@@ -48,6 +54,7 @@ class DecodeWorker:
                 transfer.kv_transfer_config(Role.DECODE, self.engine_id),
                 {**channel.process_env(), **transfer.process_env()},
                 on_fatal,
+                [TransferStatLogger],
             )
         self.limits: ModelLimits = self._loop.limits
 
@@ -68,7 +75,12 @@ class DecodeWorker:
         outputs = self._loop.generate(request.request_id, list(request.prompt_token_ids), params)
         if handle is not None:
             outputs = _first_within(outputs, self._transfer.transfer_timeout_s, handle)
+        pulled = handle is None
         async for output in outputs:
+            if not pulled:  # the first output means the engine holds the pulled state
+                pulled = True
+                STATE_BYTES.labels("attention_kv").inc(handle.bytes.attention_kv)
+                STATE_BYTES.labels("deltanet_state").inc(handle.bytes.deltanet_state)
             completion = output.outputs[0]
             if completion.finish_reason == "error":
                 raise TransferFailedError(

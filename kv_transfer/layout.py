@@ -45,7 +45,11 @@ class StateLayout:
 
     @classmethod
     def from_kv_cache_config(cls, kv_cache_config: Any) -> "StateLayout":
-        from vllm.v1.kv_cache_interface import AttentionSpec, MambaSpec, UniformTypeKVCacheSpecs
+        from vllm.v1.kv_cache_interface import (
+            AttentionSpec,
+            MambaSpec,
+            UniformTypeKVCacheSpecs,
+        )
 
         groups = []
         for group in kv_cache_config.kv_cache_groups:

@@ -13,9 +13,15 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for
+from kv_transfer.connector_config import (
+    Role,
+    SideChannel,
+    TransferConfig,
+    engine_id_for,
+)
 from kv_transfer.handle import TransferHandle
 from kv_transfer.layout import StateLayout
+from kv_transfer.metrics import LEASES_GRANTED, TransferStatLogger
 from kv_transfer.progress_thread import set_nixl_progress_thread
 from vllm_engine.config import EngineConfig
 from vllm_engine.loop import EngineLoad, EngineLoop
@@ -50,6 +56,7 @@ class PrefillWorker:
             transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
             {**channel.process_env(), **transfer.process_env()},
             on_fatal,
+            [TransferStatLogger],
         )
         self.layout = StateLayout.from_kv_cache_config(self._loop.kv_cache_config)
         self.limits: ModelLimits = self._loop.limits
@@ -78,6 +85,7 @@ class PrefillWorker:
             lease_s=self._transfer.lease_s,
             transfer_bytes=self.layout.bytes_for(connector_params["remote_block_ids"]),
         )
+        LEASES_GRANTED.inc()
         return PrefillResult(handle, time.perf_counter() - started)
 
     def load(self) -> EngineLoad:

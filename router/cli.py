@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prefill", type=int, default=1, help="prefill actors (0: colocated serving)")
     serve.add_argument("--decode", type=int, default=1, help="decode actors")
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
+    serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port (0: off)")
 
     gen = sub.add_parser("generate", help="stream a generation from a running server")
     gen.add_argument("prompt")
@@ -112,6 +113,12 @@ async def _demo(args: argparse.Namespace) -> int:
 
 async def _serve(args: argparse.Namespace) -> int:
     stack = await _bring_up(args, args.prefill, args.decode, args.listen)
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        host = args.listen.rsplit(":", 1)[0]
+        start_http_server(args.metrics_port, addr=host)
+        print(f"router metrics on http://{host}:{args.metrics_port}/metrics", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

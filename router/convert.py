@@ -7,7 +7,12 @@ from typing import Callable
 
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.orchestrator import GenerationResult
-from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig, TokenChunk
+from vllm_engine.requests import (
+    GenerateRequest,
+    InvalidRequestError,
+    SamplingConfig,
+    TokenChunk,
+)
 
 DEFAULT_MAX_TOKENS = 64
 

@@ -21,9 +21,15 @@ from ray.exceptions import RayActorError
 from kv_transfer.handle import TransferHandle
 from kv_transfer.layout import TransferBytes
 from prefill_worker.worker import PrefillResult
+from router import metrics
 from router.pools import Member, Pool
 from router.timings import LatencySummary, PhaseTimings
-from vllm_engine.requests import GenerateRequest, ModelLimits, SamplingConfig, TokenChunk
+from vllm_engine.requests import (
+    GenerateRequest,
+    ModelLimits,
+    SamplingConfig,
+    TokenChunk,
+)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +106,8 @@ class Orchestrator:
             await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
         for member in joining_prefill + joining_decode:
             member.alive = True
+        metrics.observe_pool(self.prefill)
+        metrics.observe_pool(self.decode)
 
     async def _handshake(self, prefill: Member, decode: Member, timeout_s: float) -> None:
         request_id = f"handshake-{prefill.name}-{decode.name}-{time.monotonic_ns()}"
@@ -142,7 +150,7 @@ class Orchestrator:
                     progress.finish_reason = "length"
                     break
 
-        yield GenerationResult(
+        result = GenerationResult(
             finish_reason=progress.finish_reason,
             prompt_tokens=len(request.prompt_token_ids),
             completion_tokens=len(progress.token_ids),
@@ -151,6 +159,9 @@ class Orchestrator:
             decode_worker=decode_member.name,
             migrations=migrations,
         )
+        times = progress.token_times
+        metrics.observe_request(result, [b - a for a, b in zip(times, times[1:])])
+        yield result
 
     async def _decode(
         self, member: Member, request: GenerateRequest, handle: TransferHandle | None, progress: _Progress

@@ -18,6 +18,7 @@ from prefill_worker.worker import PrefillFailedError
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.convert import decode_request, encode_chunk, encode_final
+from router.metrics import REQUESTS
 from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator
 from router.pools import NoWorkerError
 from vllm_engine.requests import InvalidRequestError
@@ -50,8 +51,10 @@ class GenerationService(pb_grpc.GenerationServicer):
                 else:
                     yield encode_chunk(event)
         except InvalidRequestError as err:
+            REQUESTS.labels("invalid_argument").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except _UNAVAILABLE as err:
+            REQUESTS.labels("unavailable").inc()
             await context.abort(grpc.StatusCode.UNAVAILABLE, _first_line(err))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802

@@ -52,8 +52,9 @@ def engine_config(model_path) -> Any:
 @pytest.fixture(scope="session")
 def reference(ray_cluster, engine_config) -> dict[str, Any]:
     """Colocated outputs: same engine configuration, no connector, prefill and decode local."""
-    from decode_worker.actor import DecodeActor
     from reference import PROMPTS, make_request, reference_run
+
+    from decode_worker.actor import DecodeActor
 
     actor = DecodeActor.remote("colocated", engine_config.with_cores("1"), None)
     try:

@@ -1,9 +1,9 @@
 """Colocated serving behind the same router (the baseline disaggregation is compared with)."""
 
 import pytest
-
 from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
+
 from router.deployment import Deployment, DeploymentConfig
 
 

@@ -10,14 +10,22 @@ import math
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_no_blocks_held, run
+from reference import (
+    MAX_TOKENS,
+    MIN_COMPARED,
+    PROMPTS,
+    assert_matches,
+    collect,
+    decode_tokens,
+    make_request,
+    prompt_of,
+)
+
 from decode_worker import TransferFailedError
 from kv_transfer.connector_config import TransferConfig
 from kv_transfer.handle import HandleExpiredError
 from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig
-
-from reference import MAX_TOKENS, MIN_COMPARED, PROMPTS, assert_matches, collect, decode_tokens, make_request, prompt_of
 
 LEASE_S = 6
 

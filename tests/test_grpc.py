@@ -9,11 +9,11 @@ import time
 
 import grpc
 import pytest
+from conftest import assert_no_blocks_held, run, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-
-from conftest import assert_no_blocks_held, run, wait_until
 from reference import MAX_TOKENS, PROMPTS, assert_matches
+
 from router.client import build_request, stream_generate
 
 
@@ -185,6 +185,39 @@ def test_very_short_prompt_is_prefilled_on_the_decode_engine(stack):
     assert len(tokens) == 4 and final.prefill_worker == ""
     assert final.timings.attention_kv_bytes == final.timings.deltanet_state_bytes == 0
     assert_no_blocks_held(stack[0])
+
+
+def _scrape(address: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {
+        f"{s.name}{sorted(s.labels.items())}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_show_every_phase_and_the_transfer(stack):
+    import ray
+    from prometheus_client import REGISTRY
+
+    request = build_request(_ids("long"), "metrics", max_tokens=8, ignore_eos=True)
+    _call(stack, lambda ch: _stream(ch, request))
+    bucket = {"prompt_bucket": "512-2047"}
+    for name in ("ttft", "queue", "prefill", "transfer", "e2e", "inter_token"):
+        assert REGISTRY.get_sample_value(f"pdserve_{name}_seconds_count", bucket) >= 1, name
+    assert REGISTRY.get_sample_value("pdserve_actor_kv_blocks_total", {"role": "decode", "actor": "decode-0"}) > 0
+
+    dep = stack[0]
+    decode = _scrape(ray.get(dep.decode.members[0].actor.metrics_address.remote()))
+    assert decode["pdserve_nixl_transfer_seconds_count[]"] >= 1
+    assert decode["pdserve_nixl_transfer_bytes_sum[]"] > 0
+    assert decode["pdserve_transfer_state_bytes_total[('kind', 'deltanet_state')]"] > 0
+    prefill = _scrape(ray.get(dep.prefill.members[0].actor.metrics_address.remote()))
+    assert prefill["pdserve_leases_granted_total[]"] >= 1
 
 
 def test_reflection_lists_the_services(stack):

@@ -2,7 +2,12 @@
 
 import pytest
 
-from vllm_engine.requests import GenerateRequest, InvalidRequestError, ModelLimits, SamplingConfig
+from vllm_engine.requests import (
+    GenerateRequest,
+    InvalidRequestError,
+    ModelLimits,
+    SamplingConfig,
+)
 
 LIMITS = ModelLimits(max_model_len=128, vocab_size=100)
 

@@ -82,12 +82,14 @@ class EngineLoop:
         kv_transfer_config: Any = None,
         env: dict[str, str] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        stat_loggers: list[Any] | None = None,
     ) -> "EngineLoop":
         """Build the engine in this process (env first: vLLM reads it at engine creation)."""
         apply_process_env({**config.process_env(), **(env or {})})
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        return cls(LLMEngine.from_engine_args(config.engine_args(kv_transfer_config)), on_fatal)
+        engine = LLMEngine.from_engine_args(config.engine_args(kv_transfer_config), stat_loggers=stat_loggers)
+        return cls(engine, on_fatal)
 
     @property
     def limits(self) -> ModelLimits:

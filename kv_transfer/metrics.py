@@ -1,0 +1,77 @@
+"""Prometheus metrics of the transfer layer, exported by each worker process.
+
+Per-transfer duration, bytes, descriptor count and failures come from vLLM's NixlConnector
+statistics (delivered each engine step to a stat logger we register); the split into
+attention KV and DeltaNet state bytes comes from our handle accounting; leases are counted
+by the prefill worker (granted) and by vLLM (expired).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Histogram, start_http_server
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+_SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
+_BYTES = tuple(float(2**p) for p in range(12, 36, 2))  # 4 KiB .. 32 GiB
+
+TRANSFER_SECONDS = Histogram("pdserve_nixl_transfer_seconds", "Duration of one NIXL READ of a request's state", buckets=_SECONDS)
+TRANSFER_BYTES = Histogram("pdserve_nixl_transfer_bytes", "Bytes moved by one NIXL READ", buckets=_BYTES)
+TRANSFER_BANDWIDTH = Histogram(
+    "pdserve_nixl_transfer_bandwidth_bytes_per_second",
+    "Achieved bandwidth of one NIXL READ",
+    buckets=tuple(float(2**p) for p in range(24, 40)),  # 16 MiB/s .. 512 GiB/s
+)
+TRANSFER_DESCRIPTORS = Histogram(
+    "pdserve_nixl_transfer_descriptors", "NIXL descriptors in one READ", buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384)
+)
+TRANSFER_FAILURES = Counter("pdserve_nixl_transfer_failures_total", "Failed transfers by cause", ["cause"])
+STATE_BYTES = Counter("pdserve_transfer_state_bytes_total", "State bytes pulled by decode, by kind", ["kind"])
+LEASES_GRANTED = Counter("pdserve_leases_granted_total", "Prefill results held for a decode read (one lease each)")
+LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases that ran out before decode confirmed the read")
+
+# vLLM NixlKVConnectorStats field -> our failure cause label.
+_FAILURE_FIELDS = {
+    "num_failed_transfers": "transfer",
+    "num_failed_handshakes": "handshake",
+    "num_failed_notifications": "notification",
+    "num_notifications_after_expiry": "read_after_lease_expired",
+}
+
+
+class TransferStatLogger(StatLoggerBase):
+    """Turns the connector statistics vLLM hands its stat loggers into Prometheus metrics."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        pass
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        data = getattr(scheduler_stats, "kv_connector_stats", None)
+        if data:
+            observe_connector_stats(data)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def observe_connector_stats(data: dict[str, list[Any]]) -> None:
+    for seconds, size, descriptors in zip(
+        data.get("transfer_duration", []), data.get("bytes_transferred", []), data.get("num_descriptors", [])
+    ):
+        TRANSFER_SECONDS.observe(seconds)
+        TRANSFER_BYTES.observe(size)
+        TRANSFER_DESCRIPTORS.observe(descriptors)
+        if seconds > 0:
+            TRANSFER_BANDWIDTH.observe(size / seconds)
+    for field, cause in _FAILURE_FIELDS.items():
+        if data.get(field):
+            TRANSFER_FAILURES.labels(cause).inc(len(data[field]))
+    if data.get("num_kv_expired_reqs"):
+        LEASES_EXPIRED.inc(len(data["num_kv_expired_reqs"]))
+
+
+def serve_metrics(host: str) -> str:
+    """Expose this process's metrics on a free port; returns the scrape address."""
+    server, _ = start_http_server(0, addr=host)
+    return f"{host}:{server.server_port}"

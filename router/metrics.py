@@ -1,0 +1,71 @@
+"""Prometheus metrics of the router: per-request phase latencies by prompt-length bucket,
+and per-actor pool gauges. Every latency a user needs is here, not in logs."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from router.pools import Pool
+
+PROMPT_BUCKETS = ((128, "0-127"), (512, "128-511"), (2048, "512-2047"), (8192, "2048-8191"))
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_RATE = (1, 5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 50000)
+
+_L = ["prompt_bucket"]
+QUEUE = Histogram("pdserve_queue_seconds", "Router arrival to prefill start", _L, buckets=_SECONDS)
+PREFILL = Histogram("pdserve_prefill_seconds", "Prefill engine time", _L, buckets=_SECONDS)
+PROMPT_RATE = Histogram("pdserve_prefill_tokens_per_second", "Prompt tokens per second of prefill", _L, buckets=_RATE)
+TRANSFER = Histogram("pdserve_transfer_seconds", "Decode call to first token (NIXL pull + one step)", _L, buckets=_SECONDS)
+TTFT = Histogram("pdserve_ttft_seconds", "Time to first token at the router", _L, buckets=_SECONDS)
+ITL = Histogram("pdserve_inter_token_seconds", "Gap between consecutive output tokens", _L, buckets=_SECONDS)
+E2E = Histogram("pdserve_e2e_seconds", "Request arrival to last token", _L, buckets=_SECONDS)
+OUTPUT_RATE = Histogram("pdserve_output_tokens_per_second", "Decode tokens per second per request", _L, buckets=_RATE)
+TRANSFER_BYTES = Counter("pdserve_request_transfer_bytes_total", "State bytes moved for requests", ["kind"])
+REQUESTS = Counter("pdserve_requests_total", "Finished requests by outcome", ["outcome"])
+MIGRATIONS = Counter("pdserve_migrations_total", "Streams resumed on another decode actor")
+
+_A = ["role", "actor"]
+RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor's engine", _A)
+WAITING = Gauge("pdserve_actor_waiting_requests", "Requests queued (incl. waiting for remote KV)", _A)
+HELD = Gauge("pdserve_actor_leases_held", "Finished requests whose blocks wait for a decode read", _A)
+BLOCKS_USED = Gauge(
+    "pdserve_actor_kv_blocks_used", "KV-cache blocks in use: attention blocks and DeltaNet state slots share the pool", _A
+)
+BLOCKS_TOTAL = Gauge("pdserve_actor_kv_blocks_total", "KV-cache blocks in the actor's pool", _A)
+ALIVE = Gauge("pdserve_actor_alive", "1 while the actor answers and takes traffic", _A)
+
+
+def prompt_bucket(prompt_tokens: int) -> str:
+    return next((name for limit, name in PROMPT_BUCKETS if prompt_tokens < limit), f"{PROMPT_BUCKETS[-1][0]}+")
+
+
+def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (orchestrator.GenerationResult)
+    bucket = prompt_bucket(result.prompt_tokens)
+    t = result.timings
+    for histogram, value in ((QUEUE, t.queue_s), (TTFT, t.ttft_s), (E2E, t.e2e_s)):
+        histogram.labels(bucket).observe(value)
+    if t.prefill_s > 0:
+        PREFILL.labels(bucket).observe(t.prefill_s)
+        PROMPT_RATE.labels(bucket).observe(result.prompt_tokens / t.prefill_s)
+        TRANSFER.labels(bucket).observe(t.transfer_s)
+    if t.decode_tokens_per_s > 0:
+        OUTPUT_RATE.labels(bucket).observe(t.decode_tokens_per_s)
+    for gap in token_gaps:
+        ITL.labels(bucket).observe(gap)
+    TRANSFER_BYTES.labels("attention_kv").inc(t.transfer_bytes.attention_kv)
+    TRANSFER_BYTES.labels("deltanet_state").inc(t.transfer_bytes.deltanet_state)
+    REQUESTS.labels(result.finish_reason).inc()
+    MIGRATIONS.inc(result.migrations)
+
+
+def observe_pool(pool: Pool) -> None:
+    for member in pool.members:
+        labels = (pool.role, member.name)
+        ALIVE.labels(*labels).set(1 if member.alive else 0)
+        if member.load is None:
+            continue
+        RUNNING.labels(*labels).set(member.load.running)
+        WAITING.labels(*labels).set(member.load.waiting)
+        HELD.labels(*labels).set(member.load.held_for_transfer)
+        BLOCKS_USED.labels(*labels).set(member.load.total_blocks - member.load.free_blocks)
+        BLOCKS_TOTAL.labels(*labels).set(member.load.total_blocks)
