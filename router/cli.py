@@ -38,7 +38,21 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
-    args = parser.parse_args(argv)
+    # Measurement tools keep their own argument parsers.
+    sub.add_parser("probe", help="measure prefill and decode throughput apart on this hardware", add_help=False)
+    sub.add_parser("tune", help="recommend (and apply) the prefill:decode split", add_help=False)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "probe":
+        from bench.probe import main as probe_main
+
+        return probe_main(rest)
+    if args.command == "tune":
+        from bench.tuner.cli import main as tune_main
+
+        return tune_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "demo":
         return asyncio.run(_demo(args))
     if args.command == "serve":

@@ -1,0 +1,186 @@
+"""Cluster probe: measure prefill and decode apart on this hardware (the seeds' measurement).
+
+Prefill tokens/s from single-pass prefills at growing prompt lengths and batch sizes; decode
+tokens/s at batch 1 and growing batches until throughput stops scaling (the batch where
+decode turns compute-bound); transfer time against bytes from a real prefill -> NIXL ->
+decode pair. Prints the prefill/decode throughput ratio and the knee, and writes the probe
+JSON the ratio tuner fits its performance model to.
+
+    pdserve probe [--out bench/results/probe.json]     (or python -m bench.probe)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import ray
+
+from decode_worker.actor import DecodeActor
+from router.deployment import Deployment, DeploymentConfig
+from router.orchestrator import GenerationResult
+from router.ray_cluster import start_local
+from vllm_engine.config import EngineConfig, resolve_model
+from vllm_engine.requests import GenerateRequest, SamplingConfig
+
+# Decode throughput that grows by less than this from one batch size to the next has
+# stopped scaling: the engine is compute-bound there.
+SCALING_THRESHOLD = 1.15
+
+
+@dataclass(frozen=True, slots=True)
+class ProbeConfig:
+    model: str = "embedded"
+    prompt_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
+    prefill_batches: tuple[int, ...] = (1, 4)
+    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    decode_context: int = 256
+    decode_steps: int = 48
+    transfer_lengths: tuple[int, ...] = (256, 1024, 4096)
+
+
+@dataclass(slots=True)
+class ProbeResult:
+    hardware: str
+    model: str
+    prefill: list[dict] = field(default_factory=list)
+    decode: list[dict] = field(default_factory=list)
+    transfer: list[dict] = field(default_factory=list)
+    layout: dict = field(default_factory=dict)
+
+    def prefill_tokens_per_s(self) -> float:
+        return max(p["batch_tokens"] / p["seconds"] for p in self.prefill)
+
+    def decode_tokens_per_s(self, batch_size: int = 1) -> float:
+        return max(d["batch_size"] / d["step_seconds"] for d in self.decode if d["batch_size"] == batch_size)
+
+    def decode_knee(self) -> int:
+        """Largest batch before decode throughput stops growing by SCALING_THRESHOLD."""
+        rates = [(d["batch_size"], d["batch_size"] / d["step_seconds"]) for d in self.decode]
+        for (batch, rate), (_, next_rate) in zip(rates, rates[1:]):
+            if next_rate < rate * SCALING_THRESHOLD:
+                return batch
+        return rates[-1][0]
+
+
+def _prompt(length: int, salt: int) -> tuple[int, ...]:
+    return tuple((37 * i + 11 * salt + 1) % 2000 + 1 for i in range(length))
+
+
+async def _ttft(actor, request: GenerateRequest) -> float:
+    start = time.perf_counter()
+    async for ref in actor.generate.remote(request):
+        await ref
+        return time.perf_counter() - start
+    raise RuntimeError("no output")
+
+
+async def _token_times(actor, request: GenerateRequest) -> list[float]:
+    times = []
+    async for ref in actor.generate.remote(request):
+        chunk = await ref
+        times.extend([chunk.produced_at] * len(chunk.token_ids))
+    return times
+
+
+async def probe_prefill(actor, config: ProbeConfig, result: ProbeResult) -> None:
+    one_token = SamplingConfig(max_tokens=1, ignore_eos=True)
+    await _ttft(actor, GenerateRequest("warm", _prompt(64, 0), one_token))
+    for length in config.prompt_lengths:
+        for batch in config.prefill_batches:
+            requests = [GenerateRequest(f"p-{length}-{batch}-{i}", _prompt(length, i), one_token) for i in range(batch)]
+            seconds = max(await asyncio.gather(*(_ttft(actor, r) for r in requests)))
+            result.prefill.append({"prompt_tokens": length, "batch_tokens": length * batch, "seconds": seconds})
+
+
+async def probe_decode(actor, config: ProbeConfig, result: ProbeResult) -> None:
+    sampling = SamplingConfig(max_tokens=config.decode_steps, ignore_eos=True)
+    for batch in config.decode_batches:
+        requests = [GenerateRequest(f"d-{batch}-{i}", _prompt(config.decode_context, i), sampling) for i in range(batch)]
+        streams = await asyncio.gather(*(_token_times(actor, r) for r in requests))
+        # Steady-state step time: skip the first tokens, where prefills of the batch land.
+        gaps = [b - a for times in streams for a, b in zip(times[8:], times[9:])]
+        step = statistics.median(gaps)
+        result.decode.append(
+            {"batch_size": batch, "context_tokens": config.decode_context + config.decode_steps // 2, "step_seconds": step}
+        )
+        if len(result.decode) >= 2 and result.decode_knee() < batch:
+            return  # throughput stopped scaling: past the knee
+
+
+async def probe_transfer(engine: EngineConfig, config: ProbeConfig, result: ProbeResult) -> None:
+    deployment = Deployment(DeploymentConfig(engine=engine))
+    orchestrator = await deployment.start()
+    try:
+        layout = await deployment.prefill.members[0].actor.state_layout.remote()
+        result.layout = {
+            "attention_kv_bytes_per_token": layout.attention_kv_bytes_per_token,
+            "deltanet_state_bytes_per_request": layout.deltanet_state_bytes_per_request,
+        }
+        step = result.decode[0]["step_seconds"] if result.decode else 0.0
+        for length in config.transfer_lengths:
+            request = GenerateRequest(f"t-{length}", _prompt(length, 7), SamplingConfig(max_tokens=1, ignore_eos=True))
+            final = [e async for e in orchestrator.generate(request) if isinstance(e, GenerationResult)][0]
+            t = final.timings
+            # The handoff includes decode's first step; what remains is the pull.
+            result.transfer.append({"bytes": t.transfer_bytes.total, "seconds": max(1e-6, t.transfer_s - step)})
+    finally:
+        deployment.shutdown()
+
+
+async def run_probe(config: ProbeConfig) -> ProbeResult:
+    import platform
+
+    engine = EngineConfig(model=resolve_model(config.model))
+    result = ProbeResult(hardware=f"{platform.machine()} {platform.processor() or 'cpu'}", model=engine.model)
+    # Large enough batches to find the knee; one engine on one core, as in a deployment.
+    colocated = DecodeActor.remote("probe", replace(engine, max_num_seqs=max(config.decode_batches)).with_cores("1"), None)
+    try:
+        await colocated.ready.remote()
+        await probe_prefill(colocated, config, result)
+        await probe_decode(colocated, config, result)
+    finally:
+        ray.kill(colocated, no_restart=True)
+    await probe_transfer(engine, config, result)
+    return result
+
+
+def report(result: ProbeResult) -> str:
+    prefill = result.prefill_tokens_per_s()
+    decode = result.decode_tokens_per_s(1)
+    lines = [
+        f"prefill: {prefill:,.0f} prompt tokens/s (best pass)",
+        f"decode:  {decode:,.1f} tokens/s at batch 1; by batch: "
+        + ", ".join(f"{d['batch_size']}: {d['batch_size'] / d['step_seconds']:,.0f}" for d in result.decode),
+        f"prefill/decode throughput ratio at batch 1: {prefill / decode:,.1f}x",
+        f"decode turns compute-bound past batch ~{result.decode_knee()}",
+    ]
+    if result.transfer:
+        lines.append(
+            "transfer: " + ", ".join(f"{t['bytes']:,} B in {t['seconds'] * 1e3:.1f} ms" for t in result.transfer)
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="embedded")
+    parser.add_argument("--out", type=Path, default=Path("bench/results/probe.json"))
+    args = parser.parse_args(argv)
+    if not ray.is_initialized():
+        start_local()
+    result = asyncio.run(run_probe(ProbeConfig(model=args.model)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(asdict(result), indent=2))
+    print(report(result))
+    print(f"probe written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
