@@ -1,0 +1,37 @@
+"""The cluster probe measures real engines and writes what the tuner reads."""
+
+import json
+from dataclasses import asdict
+
+from bench.probe import ProbeConfig, ProbeResult, run_probe
+from conftest import run
+
+
+def test_knee_is_where_decode_throughput_stops_scaling():
+    result = ProbeResult("test", "m")
+    for batch, step in [(1, 0.010), (2, 0.010), (4, 0.011), (8, 0.012), (16, 0.022), (32, 0.044)]:
+        result.decode.append({"batch_size": batch, "context_tokens": 100, "step_seconds": step})
+    assert result.decode_knee() == 8
+    assert result.decode_tokens_per_s(1) == 100
+
+
+def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp_path):
+    config = ProbeConfig(
+        model=model_path,
+        prompt_lengths=(64, 512),
+        prefill_batches=(1, 2),
+        decode_batches=(1, 4),
+        decode_steps=24,
+        transfer_lengths=(128, 1024),
+    )
+    result = run(run_probe(config))
+    assert len(result.prefill) == 4 and all(p["seconds"] > 0 for p in result.prefill)
+    assert [d["batch_size"] for d in result.decode] == [1, 4]
+    # Batching amortises weight reads: 4 sequences per step beat 1.
+    assert result.decode_tokens_per_s(4) > result.decode_tokens_per_s(1)
+    assert result.prefill_tokens_per_s() > result.decode_tokens_per_s(1)
+    assert result.transfer[0]["bytes"] < result.transfer[1]["bytes"]
+    assert result.layout["deltanet_state_bytes_per_request"] > 0
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(asdict(result)))
+    assert set(json.loads(path.read_text())) == {"hardware", "model", "prefill", "decode", "transfer", "layout"}
