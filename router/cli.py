@@ -104,7 +104,7 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
     print(f"model {model}: starting {num_prefill} prefill + {num_decode} decode actors...", file=sys.stderr)
     try:
         orchestrator = await deployment.start()
-        server = RouterServer(orchestrator, tokenizer.encode, model, listen)
+        server = RouterServer(orchestrator, tokenizer.encode, model, listen, scale=deployment.resize)
         await server.start()
     except BaseException:
         deployment.shutdown()

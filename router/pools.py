@@ -25,6 +25,7 @@ class Member:
     # Picked only while alive: set once it answers (and is handshaken with the other pool),
     # cleared when a load report or a call fails.
     alive: bool = False
+    draining: bool = False  # being removed: finishes its requests, never picked again
 
 
 @dataclass(slots=True)
@@ -81,7 +82,7 @@ class Pool:
             member.load = load
             if load is None:
                 member.alive = False
-            elif not member.alive:
+            elif not member.alive and not member.draining:
                 joining.append(member)
         return joining
 

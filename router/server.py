@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -68,6 +68,23 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
+Scaler = Callable[[int, int], Awaitable[tuple[int, int]]]
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, scale: Scaler | None) -> None:
+        self._scale = scale
+
+    async def ScalePools(self, request: pb.ScalePoolsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        if self._scale is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router does not own its pools")
+        try:
+            prefill, decode = await self._scale(request.prefill, request.decode)
+        except ValueError as err:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
+        return pb.PoolSizes(prefill=prefill, decode=decode)
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[-1] if text else type(err).__name__
@@ -83,6 +100,7 @@ class RouterServer:
         model: str,
         address: str = "127.0.0.1:0",
         health_interval_s: float = 0.5,
+        scale: Scaler | None = None,
     ) -> None:
         self._orchestrator = orchestrator
         self._server = grpc.aio.server()
@@ -90,9 +108,15 @@ class RouterServer:
         self._health_interval_s = health_interval_s
         self._monitor: asyncio.Task[Any] | None = None
         pb_grpc.add_GenerationServicer_to_server(GenerationService(orchestrator, tokenize, model), self._server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(scale), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            (
+                SERVICE_NAME,
+                pb.DESCRIPTOR.services_by_name["Admin"].full_name,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ),
             self._server,
         )
         self.port = self._server.add_insecure_port(address)

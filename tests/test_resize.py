@@ -1,0 +1,45 @@
+"""Resizing live pools: requests keep flowing, none fails, removed actors drain first."""
+
+import asyncio
+
+import pytest
+
+from conftest import assert_no_blocks_held, run
+from reference import MAX_TOKENS, assert_matches, collect, make_request
+from router.deployment import Deployment, DeploymentConfig
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, engine_config, reference):
+    dep = Deployment(DeploymentConfig(engine=engine_config))
+    run(dep.start())
+    yield dep
+    dep.shutdown()
+
+
+def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):
+    dep = deployment
+    orchestrator = dep.orchestrator
+
+    async def traffic(tag: str, n: int):
+        return await asyncio.gather(
+            *(collect(orchestrator.generate(make_request("over_one_block", f"{tag}-{i}"))) for i in range(n))
+        )
+
+    async def scenario():
+        grow = asyncio.ensure_future(dep.resize(1, 2))
+        during_grow = await traffic("grow", 4)
+        assert await grow == (1, 2)
+        assert ("prefill-0", "decode-1") in orchestrator.handshakes  # handshaken before traffic
+        in_flight = asyncio.ensure_future(traffic("shrink", 6))
+        await asyncio.sleep(0.2)  # requests are now running on both decode actors
+        sizes = await dep.resize(1, 1)
+        return during_grow, await in_flight, sizes
+
+    during_grow, during_shrink, sizes = run(scenario())
+    assert sizes == (1, 1) and [m.name for m in dep.decode.members] == ["decode-0"]
+    for tokens, result in during_grow + during_shrink:  # nothing failed during either change
+        assert result.finish_reason == "length" and len(tokens) == MAX_TOKENS
+        assert_matches(tokens, reference["over_one_block"])
+    assert {r.decode_worker for _, r in during_shrink} == {"decode-0", "decode-1"}  # decode-1 drained them
+    assert_no_blocks_held(dep)
