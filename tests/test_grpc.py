@@ -34,7 +34,7 @@ def stack(ray_cluster, engine_config, reference, model_path):
     thread.start()
 
     async def start_server():
-        server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=0.2)
+        server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=0.2, scale=dep.resize)
         await server.start()
         return server
 
@@ -220,6 +220,20 @@ def test_metrics_show_every_phase_and_the_transfer(stack):
     assert prefill["pdserve_leases_granted_total[]"] >= 1
 
 
+def test_admin_scale_pools_keeps_the_serving_mode(stack):
+    from proto.pdserve.v1 import generate_pb2 as pb
+    from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+    async def scale(channel, prefill, decode):
+        return await pb_grpc.AdminStub(channel).ScalePools(pb.ScalePoolsRequest(prefill=prefill, decode=decode))
+
+    sizes = _call(stack, lambda ch: scale(ch, 1, 1))  # already that size: a no-op
+    assert (sizes.prefill, sizes.decode) == (1, 1)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        _call(stack, lambda ch: scale(ch, 0, 1))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
 def test_reflection_lists_the_services(stack):
     async def list_services(channel):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -228,7 +242,7 @@ def test_reflection_lists_the_services(stack):
             return {s.name for s in response.list_services_response.service}
 
     services = _call(stack, list_services)
-    assert {"pdserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
 
 
 def test_health_serving_only_while_both_pools_have_a_live_actor(stack):
