@@ -1,0 +1,260 @@
+"""Performance model of one serving instance, fitted from probe measurements.
+
+A probe (run on the real hardware) writes one JSON file:
+
+    {"hardware": "4xH100", "model": "Qwen3.5-27B",
+     "prefill":  [{"prompt_tokens": 2048, "batch_tokens": 8192, "seconds": 2.5}, ...],
+     "decode":   [{"batch_size": 32, "context_tokens": 2000, "step_seconds": 0.0093}, ...],
+     "transfer": [{"bytes": 285000000, "seconds": 0.012}, ...],
+     "layout":   {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064}}
+
+Prefill rows: one pass over a batch of `batch_tokens` prompt tokens whose longest prompt has
+`prompt_tokens`. Decode rows: one step of `batch_size` sequences whose mean context is
+`context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`.
+
+Three fits, all least squares with non-negative coefficients:
+- prefill:  seconds = fixed + per_token x T + per_pair x S, T the batch's tokens and S the
+  sum of squared prompt lengths (attention: every token against every earlier one). The probe
+  gives only the longest prompt, so S is taken as prompt_tokens x batch_tokens (exact when a
+  batch's prompts are equal, an upper bound otherwise).
+- decode:   step = fixed + per_sequence x B + per_context_token x (B x C)
+                   + compute_per_sequence x max(0, B - knee)
+  Below the knee a step streams the weights once whatever the batch (memory-bound, nearly
+  flat); past it the matmuls saturate the tensor cores and each sequence adds compute time.
+  The knee is found by search: the fit with the least squared error over candidate knees.
+- transfer: seconds = latency + bytes / bytes_per_s.
+
+The fitted model saves to / loads from JSON, so it is fitted where the probe ran and used
+anywhere (the simulator needs no GPU).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# Seeds (README worked example): Qwen3.5-27B on 4xH100, batch 1.
+SEEDS_PREFILL_TOKENS_PER_S = 3288.0
+SEEDS_DECODE_TOKENS_PER_S = 108.0
+SEEDS_DECODE_KNEE = 32.0
+# Not in the seeds, stated assumptions: 4 x 3.35 TB/s HBM (H100 SXM) for the per-sequence and
+# per-context-token reads; one 200 Gb/s NIC (25 GB/s) and 1 ms per handoff for transfer.
+ASSUMED_HBM_BYTES_PER_S = 4 * 3.35e12
+ASSUMED_NIC_BYTES_PER_S = 25e9
+ASSUMED_TRANSFER_LATENCY_S = 1e-3
+# bench/nixl_transfer.py's Qwen3.5-27B layout: 16 attention layers x 4 KiB per token, and
+# 48 DeltaNet layers x (3 MiB temporal + 60 KiB conv) state per request.
+QWEN35_27B_KV_BYTES_PER_TOKEN = 16 * 4096
+QWEN35_27B_STATE_BYTES = 48 * (3 * 2**20 + 60 * 2**10)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCost:
+    fixed_s: float
+    per_token_s: float
+    per_token_pair_s: float  # times the sum of squared prompt lengths in the batch
+    rms_relative_error: float = 0.0  # of the fit on the probe rows; 0 when not fitted
+
+    def seconds(self, batch_tokens: float, squared_tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * batch_tokens + self.per_token_pair_s * squared_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCost:
+    fixed_s: float  # weights streamed once per step
+    per_sequence_s: float  # fixed-size per-sequence work: DeltaNet state read, sampling
+    per_context_token_s: float  # attention KV read per cached token
+    knee: float  # batch size past which a step is compute-bound
+    compute_per_sequence_s: float  # extra time per sequence past the knee
+    rms_relative_error: float = 0.0
+
+    def seconds(self, batch_size: int, context_tokens: float) -> float:
+        """One step; `context_tokens` is the batch's total context (sum over sequences)."""
+        return (
+            self.fixed_s
+            + self.per_sequence_s * batch_size
+            + self.per_context_token_s * context_tokens
+            + self.compute_per_sequence_s * max(0.0, batch_size - self.knee)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCost:
+    latency_s: float
+    bytes_per_s: float
+    rms_relative_error: float = 0.0
+
+    def seconds(self, num_bytes: float) -> float:
+        return self.latency_s + num_bytes / self.bytes_per_s
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    attention_kv_bytes_per_token: int
+    deltanet_state_bytes_per_request: int
+
+    def transfer_bytes(self, prompt_tokens: int) -> int:
+        return prompt_tokens * self.attention_kv_bytes_per_token + self.deltanet_state_bytes_per_request
+
+
+@dataclass(frozen=True, slots=True)
+class PerformanceModel:
+    hardware: str
+    model: str
+    prefill: PrefillCost
+    decode: DecodeCost
+    transfer: TransferCost
+    layout: Layout
+
+    def transfer_seconds(self, prompt_tokens: int) -> float:
+        return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
+
+    @classmethod
+    def from_probe(cls, probe: dict[str, Any]) -> PerformanceModel:
+        return cls(
+            hardware=probe["hardware"],
+            model=probe["model"],
+            prefill=fit_prefill(probe["prefill"]),
+            decode=fit_decode(probe["decode"]),
+            transfer=fit_transfer(probe["transfer"]),
+            layout=Layout(**probe["layout"]),
+        )
+
+    @classmethod
+    def seeds_example(cls) -> PerformanceModel:
+        """Qwen3.5-27B on one 4xH100 instance from the seeds' headline figures: prefill 3,288
+        tok/s, decode 108 tok/s at batch 1, compute-bound past batch ~32."""
+        step = 1 / SEEDS_DECODE_TOKENS_PER_S
+        layout = Layout(QWEN35_27B_KV_BYTES_PER_TOKEN, QWEN35_27B_STATE_BYTES)
+        return cls(
+            hardware="4xH100",
+            model="Qwen3.5-27B (seeds' figures)",
+            prefill=PrefillCost(0.0, 1 / SEEDS_PREFILL_TOKENS_PER_S, 0.0),
+            decode=DecodeCost(
+                fixed_s=step,
+                per_sequence_s=layout.deltanet_state_bytes_per_request / ASSUMED_HBM_BYTES_PER_S,
+                per_context_token_s=layout.attention_kv_bytes_per_token / ASSUMED_HBM_BYTES_PER_S,
+                knee=SEEDS_DECODE_KNEE,
+                # Roofline: at the knee compute time equals the weight-read time, and grows
+                # linearly with the batch past it.
+                compute_per_sequence_s=step / SEEDS_DECODE_KNEE,
+            ),
+            transfer=TransferCost(ASSUMED_TRANSFER_LATENCY_S, ASSUMED_NIC_BYTES_PER_S),
+            layout=layout,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PerformanceModel:
+        return cls(
+            hardware=data["hardware"],
+            model=data["model"],
+            prefill=PrefillCost(**data["prefill"]),
+            decode=DecodeCost(**data["decode"]),
+            transfer=TransferCost(**data["transfer"]),
+            layout=Layout(**data["layout"]),
+        )
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> PerformanceModel:
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+def load_probe(path: Path) -> PerformanceModel:
+    return PerformanceModel.from_probe(json.loads(path.read_text()))
+
+
+# --- fitting ---------------------------------------------------------------------------
+
+
+def nonnegative_least_squares(features: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, float]:
+    """min |A x - y|^2 subject to x >= 0, and its squared error. Exact for the few columns
+    used here: the optimum is the unconstrained fit on some subset of columns (the positive
+    ones), so try every subset and keep the best feasible fit."""
+    # Scale columns to unit norm: token counts squared reach 1e9 next to a column of ones.
+    norms = np.linalg.norm(features, axis=0)
+    norms[norms == 0] = 1.0
+    scaled = features / norms
+    best = np.zeros(features.shape[1])
+    best_error = float(target @ target)
+    for size in range(1, features.shape[1] + 1):
+        for columns in itertools.combinations(range(features.shape[1]), size):
+            picked = list(columns)
+            solution = np.linalg.lstsq(scaled[:, picked], target, rcond=None)[0]
+            if (solution < 0).any():
+                continue
+            residual = target - scaled[:, picked] @ solution
+            error = float(residual @ residual)
+            if error < best_error:
+                best_error = error
+                best = np.zeros(features.shape[1])
+                best[picked] = solution
+    return best / norms, best_error
+
+
+def _relative_rms(features: np.ndarray, coefficients: np.ndarray, target: np.ndarray) -> float:
+    relative = (features @ coefficients - target) / target
+    return float(np.sqrt(np.mean(relative**2)))
+
+
+def _rows(rows: list[dict[str, Any]], keys: tuple[str, ...], what: str, minimum: int) -> np.ndarray:
+    if len(rows) < minimum:
+        raise ValueError(f"probe has {len(rows)} {what} rows; the fit needs at least {minimum}")
+    table = np.array([[float(row[key]) for key in keys] for row in rows])
+    if (table <= 0).any():
+        raise ValueError(f"probe {what} rows need positive {', '.join(keys)}")
+    return table
+
+
+def fit_prefill(rows: list[dict[str, Any]]) -> PrefillCost:
+    table = _rows(rows, ("prompt_tokens", "batch_tokens", "seconds"), "prefill", 3)
+    prompt, batch, seconds = table.T
+    features = np.column_stack([np.ones_like(batch), batch, prompt * batch])
+    coefficients, _ = nonnegative_least_squares(features, seconds)
+    return PrefillCost(*coefficients, rms_relative_error=_relative_rms(features, coefficients, seconds))
+
+
+def _decode_features(batch: np.ndarray, context: np.ndarray, knee: float) -> np.ndarray:
+    return np.column_stack([np.ones_like(batch), batch, batch * context, np.maximum(0.0, batch - knee)])
+
+
+def fit_decode(rows: list[dict[str, Any]]) -> DecodeCost:
+    """Probe batches on both sides of the knee; with none past it the compute term is 0 and
+    the model extrapolates an optimistic flat step to larger batches."""
+    table = _rows(rows, ("batch_size", "context_tokens", "step_seconds"), "decode", 4)
+    batch, context, seconds = table.T
+    fits = []
+    for knee in range(int(batch.min()), int(batch.max()) + 1):
+        coefficients, error = nonnegative_least_squares(_decode_features(batch, context, knee), seconds)
+        fits.append((error, knee, coefficients))
+    _, knee, coefficients = min(fits, key=lambda fit: fit[0])
+    fixed, per_sequence, per_context, compute = coefficients
+    return DecodeCost(
+        fixed,
+        per_sequence,
+        per_context,
+        float(knee),
+        compute,
+        rms_relative_error=_relative_rms(_decode_features(batch, context, knee), coefficients, seconds),
+    )
+
+
+def fit_transfer(rows: list[dict[str, Any]]) -> TransferCost:
+    table = _rows(rows, ("bytes", "seconds"), "transfer", 2)
+    num_bytes, seconds = table.T
+    features = np.column_stack([np.ones_like(num_bytes), num_bytes])
+    (latency, per_byte), _ = nonnegative_least_squares(features, seconds)
+    if per_byte <= 0:
+        raise ValueError("transfer rows show no growth with bytes: probe a wider range of sizes")
+    return TransferCost(latency, 1 / per_byte, _relative_rms(features, np.array([latency, per_byte]), seconds))

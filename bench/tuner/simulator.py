@@ -1,0 +1,400 @@
+"""Discrete-event simulation of a pdserve deployment, timed by a fitted PerformanceModel.
+
+Disaggregated (`Placement(prefill=N, decode=M)`):
+- router: each arriving prompt goes to the prefill instance with the fewest outstanding
+  prompt tokens (waiting + in the running batch), as pdserve's router does;
+- prefill instance: FCFS; when free it takes the waiting prompts in arrival order up to a
+  token budget (at least one) and runs them as one batch;
+- transfer: attention KV (bytes per token x prompt) + fixed DeltaNet state per request,
+  timed by the model; a pure delay (links are not shared);
+- decode instance (the one with the fewest running + waiting requests when the state lands):
+  continuous batching; at every step boundary waiting requests join up to the batch limit,
+  and every running sequence gets one token per step. As in pdserve for hybrids, decode
+  produces the first output token, so TTFT ends with the request's first decode step.
+
+Colocated (`Placement(prefill=0, decode=N)`): N instances doing both, routed by fewest
+running + waiting requests. At a step boundary waiting prompts are prefilled first (vLLM's
+priority; the running decodes stall meanwhile) while there is room under the batch limit;
+the prefill samples the first token.
+
+Time only moves forward per instance: each instance advances lazily to the time of the next
+request routed anywhere (no global event queue), so a decode step costs a few Python
+operations and no heap traffic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+from bench.tuner.model import DecodeCost, PerformanceModel, PrefillCost
+
+DEFAULT_TOKEN_BUDGET = 8192  # vLLM's usual max_num_batched_tokens when serving on large GPUs
+DEFAULT_BATCH_LIMIT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    prefill: int  # instances; 0 = colocated
+    decode: int  # instances (colocated: all of them)
+    batch_limit: int = DEFAULT_BATCH_LIMIT  # running sequences per decode (or colocated) instance
+    token_budget: int = DEFAULT_TOKEN_BUDGET  # prompt tokens per prefill batch
+
+    def __post_init__(self) -> None:
+        if self.prefill < 0 or self.decode < 1 or self.batch_limit < 1 or self.token_budget < 1:
+            raise ValueError(f"invalid placement {self}")
+
+    @property
+    def instances(self) -> int:
+        return self.prefill + self.decode
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill == 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.decode} colocated" if self.colocated else f"{self.prefill}P:{self.decode}D"
+
+
+# --- workload --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Lengths:
+    """Token counts around `mean`: `uniform` in mean x (1 +- spread), or `lognormal` with
+    sigma = spread (and that mean); spread 0 gives exactly `mean`."""
+
+    mean: float
+    spread: float = 0.0
+    shape: Literal["uniform", "lognormal"] = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.mean < 1 or self.spread < 0 or (self.shape == "uniform" and self.spread > 1):
+            raise ValueError(f"invalid lengths {self}: mean >= 1, spread >= 0 (uniform: <= 1)")
+
+    def sample(self, rng: np.random.Generator, count: int) -> np.ndarray:
+        if self.shape == "uniform":
+            values = self.mean * rng.uniform(1 - self.spread, 1 + self.spread, count)
+        else:
+            values = rng.lognormal(math.log(self.mean) - self.spread**2 / 2, self.spread, count)
+        return np.maximum(1, np.rint(values)).astype(np.int64)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Workload:
+    """Requests with arrival times at a mean rate of 1 req/s; `arrivals(rate)` rescales them,
+    so runs at different rates see the same requests in the same pattern (common random
+    numbers: goodput found by bisection on the rate is then stable)."""
+
+    unit_arrivals: np.ndarray
+    prompt_tokens: np.ndarray
+    output_tokens: np.ndarray
+    native_rate: float | None = None  # a trace's own mean rate
+
+    @classmethod
+    def poisson(cls, count: int, prompt: Lengths, output: Lengths, seed: int = 0) -> Workload:
+        # Poisson process conditioned on `count` arrivals in [0, count): sorted uniforms (as
+        # bench.loadgen does), so the realised rate is the nominal one.
+        rng = np.random.default_rng(seed)
+        arrivals = np.sort(rng.uniform(0.0, count, count))
+        return cls(arrivals, prompt.sample(rng, count), output.sample(rng, count))
+
+    @classmethod
+    def trace(cls, rows: Iterable[tuple[float, int, int]]) -> Workload:
+        """(arrival_s, prompt_tokens, output_tokens) rows; rescaled to any rate, the trace's
+        burst pattern is kept and only compressed or stretched."""
+        table = np.array(sorted(rows), dtype=float)
+        if len(table) < 2:
+            raise ValueError("a trace needs at least two requests")
+        arrivals = table[:, 0] - table[0, 0]
+        if arrivals[-1] <= 0:
+            raise ValueError("a trace's arrivals must span some time")
+        native = len(table) / arrivals[-1]
+        return cls(arrivals * native, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64), native)
+
+    def __len__(self) -> int:
+        return len(self.unit_arrivals)
+
+    def arrivals(self, rate: float) -> np.ndarray:
+        if rate <= 0:
+            raise ValueError("rate must be positive")
+        return self.unit_arrivals / rate
+
+
+# --- results ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_s: float
+    itl_s: float  # a request's mean inter-token time (DistServe's TPOT)
+    percentile: float = 90.0  # attainment target: this % of requests meet both
+
+    @property
+    def attainment_target(self) -> float:
+        return self.percentile / 100
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: np.ndarray) -> Percentiles:
+        return cls(*(float(v) for v in np.percentile(values, (50, 90, 99))))
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    rate: float  # offered, req/s
+    requests: int
+    duration_s: float  # first arrival -> last token
+    throughput_rps: float
+    output_tokens_per_s: float
+    ttft_s: Percentiles
+    tpot_s: Percentiles  # per request mean inter-token time
+    e2e_s: Percentiles
+    peak_batch: int
+    attainment: float  # fraction meeting both SLOs
+    goodput_rps: float  # requests meeting both SLOs per second of the run
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Timeline:
+    """Per-request times in seconds from the start of the run."""
+
+    arrival: np.ndarray
+    prefill_start: np.ndarray
+    first_token: np.ndarray
+    last_token: np.ndarray
+    output_tokens: np.ndarray
+    peak_batch: int  # most sequences in one decode step on any instance
+
+    @property
+    def ttft(self) -> np.ndarray:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> np.ndarray:
+        """Mean inter-token time; 0 for single-token outputs (nothing to be late for)."""
+        gaps = np.maximum(self.output_tokens - 1, 1)
+        return (self.last_token - self.first_token) / gaps
+
+    @property
+    def e2e(self) -> np.ndarray:
+        return self.last_token - self.arrival
+
+    def meets(self, slo: SLO) -> np.ndarray:
+        return (self.ttft <= slo.ttft_s) & (self.tpot <= slo.itl_s)
+
+    def summary(self, rate: float, slo: SLO) -> Summary:
+        duration = float(self.last_token.max() - self.arrival.min())
+        good = int(self.meets(slo).sum())
+        return Summary(
+            rate=rate,
+            requests=len(self.arrival),
+            duration_s=duration,
+            throughput_rps=len(self.arrival) / duration,
+            output_tokens_per_s=float(self.output_tokens.sum()) / duration,
+            ttft_s=Percentiles.of(self.ttft),
+            tpot_s=Percentiles.of(self.tpot),
+            e2e_s=Percentiles.of(self.e2e),
+            peak_batch=self.peak_batch,
+            attainment=good / len(self.arrival),
+            goodput_rps=good / duration,
+        )
+
+
+# --- instances -------------------------------------------------------------------------
+
+
+class _Requests:
+    """Per-request state shared by all instances, as lists (faster than numpy scalars)."""
+
+    __slots__ = ("arrival", "first", "last", "output", "prefill_end", "prefill_start", "prompt")
+
+    def __init__(self, workload: Workload, rate: float) -> None:
+        self.arrival: list[float] = workload.arrivals(rate).tolist()
+        self.prompt: list[int] = workload.prompt_tokens.tolist()
+        self.output: list[int] = workload.output_tokens.tolist()
+        count = len(workload)
+        self.prefill_start = [0.0] * count
+        self.prefill_end = [0.0] * count
+        self.first = [0.0] * count
+        self.last = [0.0] * count
+
+    def timeline(self, decode_pool: Sequence[_DecodeInstance]) -> Timeline:
+        return Timeline(
+            np.array(self.arrival),
+            np.array(self.prefill_start),
+            np.array(self.first),
+            np.array(self.last),
+            np.array(self.output),
+            max(instance.peak_batch for instance in decode_pool),
+        )
+
+
+class _Instance:
+    """One engine. Invariant: every waiting request arrived by `clock` (the end of the action
+    in progress, or the time it went idle), because requests are added only after the
+    instance has been advanced to their arrival."""
+
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
+        self.requests = requests
+        self.prefill_cost: PrefillCost = model.prefill
+        self.token_budget = placement.token_budget
+        self.clock = 0.0
+        self.waiting: deque[int] = deque()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting)
+
+    def load(self, now: float) -> float:
+        raise NotImplementedError
+
+    def act(self) -> None:
+        """Run the next action from `clock`, moving `clock` to its end."""
+        raise NotImplementedError
+
+    def advance(self, now: float) -> None:
+        """Run every action that starts before `now` (one starting at `now` waits: requests
+        arriving at that instant join it)."""
+        while self.busy and self.clock < now:
+            self.act()
+
+    def add(self, rid: int, now: float) -> None:
+        if not self.busy:
+            self.clock = max(self.clock, now)
+        self.waiting.append(rid)
+
+    def prefill_batch(self, max_requests: int) -> list[int]:
+        """Prefill waiting prompts in order up to the token budget (at least one)."""
+        prompt = self.requests.prompt
+        batch = [self.waiting.popleft()]
+        tokens = prompt[batch[0]]
+        while self.waiting and len(batch) < max_requests and tokens + prompt[self.waiting[0]] <= self.token_budget:
+            batch.append(self.waiting.popleft())
+            tokens += prompt[batch[-1]]
+        start = self.clock
+        self.clock += self.prefill_cost.seconds(tokens, sum(prompt[rid] ** 2 for rid in batch))
+        for rid in batch:
+            self.requests.prefill_start[rid] = start
+            self.requests.prefill_end[rid] = self.clock
+        return batch
+
+
+class _PrefillInstance(_Instance):
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
+        super().__init__(requests, model, placement)
+        self.queued_tokens = 0
+        self.running_tokens = 0  # in the batch that ends at `clock`
+
+    def load(self, now: float) -> float:
+        return self.queued_tokens + (self.running_tokens if self.clock > now else 0)
+
+    def add(self, rid: int, now: float) -> None:
+        super().add(rid, now)
+        self.queued_tokens += self.requests.prompt[rid]
+
+    def act(self) -> None:
+        batch = self.prefill_batch(len(self.waiting))
+        self.running_tokens = sum(self.requests.prompt[rid] for rid in batch)
+        self.queued_tokens -= self.running_tokens
+
+
+class _DecodeInstance(_Instance):
+    """Continuous batching. A sequence's context grows by one token per step, so the batch's
+    total context is sum(context at join - step at join) + batch size x steps, kept as one
+    running sum instead of per-sequence counters."""
+
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
+        super().__init__(requests, model, placement)
+        self.decode_cost: DecodeCost = model.decode
+        self.limit = placement.batch_limit
+        self.steps = 0
+        self.running: list[tuple[int, int, int]] = []  # heap of (finishing step, rid, context term)
+        self.context_terms = 0
+        self.joined: list[int] = []  # joined at this step boundary: first token at its end
+        self.peak_batch = 0
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def load(self, now: float) -> float:
+        return len(self.running) + len(self.waiting)
+
+    def act(self) -> None:
+        while self.waiting and len(self.running) < self.limit:
+            rid = self.waiting.popleft()
+            self.join(rid, self.requests.prompt[rid], self.requests.output[rid])
+            self.joined.append(rid)
+        self.step()
+
+    def join(self, rid: int, context: int, tokens: int) -> None:
+        term = context - self.steps
+        heapq.heappush(self.running, (self.steps + tokens, rid, term))
+        self.context_terms += term
+
+    def step(self) -> None:
+        batch = len(self.running)
+        self.peak_batch = max(self.peak_batch, batch)
+        self.clock += self.decode_cost.seconds(batch, self.context_terms + batch * self.steps)
+        self.steps += 1
+        for rid in self.joined:
+            self.requests.first[rid] = self.clock
+        self.joined.clear()
+        while self.running and self.running[0][0] == self.steps:
+            _, rid, term = heapq.heappop(self.running)
+            self.context_terms -= term
+            self.requests.last[rid] = self.clock
+
+
+class _ColocatedInstance(_DecodeInstance):
+    def act(self) -> None:
+        room = self.limit - len(self.running)
+        if not (self.waiting and room > 0):
+            self.step()
+            return
+        for rid in self.prefill_batch(room):
+            self.requests.first[rid] = self.clock
+            if self.requests.output[rid] == 1:
+                self.requests.last[rid] = self.clock
+            else:
+                self.join(rid, self.requests.prompt[rid] + 1, self.requests.output[rid] - 1)
+
+
+def _dispatch(pool: Sequence[_Instance], order: Iterable[int], times: Sequence[float]) -> None:
+    """Route requests (in time order) to the least-loaded instance, then drain the pool."""
+    for rid in order:
+        now = times[rid]
+        for instance in pool:
+            instance.advance(now)
+        min(pool, key=lambda instance: instance.load(now)).add(rid, now)
+    for instance in pool:
+        instance.advance(math.inf)
+
+
+def simulate(model: PerformanceModel, placement: Placement, workload: Workload, rate: float) -> Timeline:
+    requests = _Requests(workload, rate)
+    arrivals = range(len(workload))
+    if placement.colocated:
+        pool = [_ColocatedInstance(requests, model, placement) for _ in range(placement.decode)]
+        _dispatch(pool, arrivals, requests.arrival)
+        return requests.timeline(pool)
+    prefill_pool = [_PrefillInstance(requests, model, placement) for _ in range(placement.prefill)]
+    _dispatch(prefill_pool, arrivals, requests.arrival)
+    ready = [end + model.transfer_seconds(p) for end, p in zip(requests.prefill_end, requests.prompt)]
+    decode_pool = [_DecodeInstance(requests, model, placement) for _ in range(placement.decode)]
+    _dispatch(decode_pool, sorted(arrivals, key=ready.__getitem__), ready)
+    return requests.timeline(decode_pool)

@@ -1,0 +1,279 @@
+"""The ratio tuner (bench/tuner): model fit, simulator known answers, placement search, CLI.
+Pure Python and fast: no engines, no Ray."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.tuner.cli import main
+from bench.tuner.model import DecodeCost, Layout, PerformanceModel, PrefillCost, TransferCost, load_probe
+from bench.tuner.search import SearchSpace, max_goodput, search
+from bench.tuner.simulator import SLO, Lengths, Placement, Workload, simulate
+
+# The probe file's shape (what the cluster probe writes), with a few rows per phase.
+PROBE_EXAMPLE = {
+    "hardware": "4xH100",
+    "model": "Qwen3.5-27B",
+    "prefill": [
+        {"prompt_tokens": 512, "batch_tokens": 512, "seconds": 0.16},
+        {"prompt_tokens": 2048, "batch_tokens": 2048, "seconds": 0.63},
+        {"prompt_tokens": 2048, "batch_tokens": 8192, "seconds": 2.51},
+        {"prompt_tokens": 8192, "batch_tokens": 8192, "seconds": 2.62},
+    ],
+    "decode": [
+        {"batch_size": 1, "context_tokens": 2000, "step_seconds": 0.0093},
+        {"batch_size": 8, "context_tokens": 2000, "step_seconds": 0.0095},
+        {"batch_size": 32, "context_tokens": 2000, "step_seconds": 0.0099},
+        {"batch_size": 64, "context_tokens": 2000, "step_seconds": 0.0190},
+        {"batch_size": 128, "context_tokens": 2000, "step_seconds": 0.0375},
+    ],
+    "transfer": [
+        {"bytes": 50_000_000, "seconds": 0.003},
+        {"bytes": 300_000_000, "seconds": 0.013},
+        {"bytes": 1_000_000_000, "seconds": 0.041},
+    ],
+    "layout": {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064},
+}
+
+# Round numbers for hand-checked timelines: prefill 1 ms per token, decode 100 ms per step,
+# instantaneous transfer.
+TOY = PerformanceModel(
+    hardware="toy",
+    model="toy",
+    prefill=PrefillCost(0.0, 1e-3, 0.0),
+    decode=DecodeCost(0.1, 0.0, 0.0, 1.0, 0.0),
+    transfer=TransferCost(0.0, 1e18),
+    layout=Layout(0, 0),
+)
+
+
+# --- model -----------------------------------------------------------------------------
+
+
+def _probe_from(model: PerformanceModel) -> dict:
+    """Noise-free measurements of `model` on a grid like a real probe's."""
+    prefill = [
+        {"prompt_tokens": p, "batch_tokens": p * n, "seconds": model.prefill.seconds(p * n, p * p * n)}
+        for p in (256, 1024, 4096)
+        for n in (1, 2, 4)
+    ]
+    decode = [
+        {"batch_size": b, "context_tokens": c, "step_seconds": model.decode.seconds(b, b * c)}
+        for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
+        for c in (500, 4000)
+    ]
+    transfer = [{"bytes": n, "seconds": model.transfer.seconds(n)} for n in (10**6, 10**7, 10**8, 10**9)]
+    layout = {"attention_kv_bytes_per_token": 4096, "deltanet_state_bytes_per_request": 1 << 20}
+    return {
+        "hardware": "synthetic",
+        "model": "m",
+        "prefill": prefill,
+        "decode": decode,
+        "transfer": transfer,
+        "layout": layout,
+    }
+
+
+def test_fit_recovers_known_parameters() -> None:
+    truth = PerformanceModel(
+        hardware="synthetic",
+        model="m",
+        prefill=PrefillCost(0.004, 3e-4, 2e-9),
+        decode=DecodeCost(0.009, 1.2e-5, 5e-9, 24.0, 3e-4),
+        transfer=TransferCost(0.002, 2.5e10),
+        layout=Layout(4096, 1 << 20),
+    )
+    fitted = PerformanceModel.from_probe(_probe_from(truth))
+    assert fitted.decode.knee == truth.decode.knee
+    for got, want in (
+        (fitted.prefill, truth.prefill),
+        (fitted.decode, truth.decode),
+        (fitted.transfer, truth.transfer),
+    ):
+        assert np.allclose(_params(got), _params(want), rtol=1e-6, atol=0)
+        assert got.rms_relative_error < 1e-9
+    assert fitted.layout == truth.layout
+
+
+def _params(cost: PrefillCost | DecodeCost | TransferCost) -> list[float]:
+    return [getattr(cost, f.name) for f in fields(cost) if f.name != "rms_relative_error"]
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    """Pure linear prefill with timing noise: an unconstrained fit may go negative on the
+    quadratic term; this one stays >= 0 and close to the true slope."""
+    rng = np.random.default_rng(1)
+    rows = [
+        {"prompt_tokens": p, "batch_tokens": p, "seconds": p / 3288 * rng.uniform(0.97, 1.03)}
+        for p in range(256, 16384, 512)
+    ]
+    cost = PerformanceModel.from_probe({**PROBE_EXAMPLE, "prefill": rows}).prefill
+    assert min(cost.fixed_s, cost.per_token_s, cost.per_token_pair_s) >= 0
+    assert cost.seconds(8192, 8192**2) == pytest.approx(8192 / 3288, rel=0.05)
+
+
+def test_probe_example_fits_and_round_trips(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(PROBE_EXAMPLE))
+    model = load_probe(probe)
+    assert 24 <= model.decode.knee <= 40  # flat to ~32, then linear in the batch
+    assert model.prefill.seconds(2048, 2048**2) == pytest.approx(0.63, rel=0.05)
+    assert model.transfer.bytes_per_s == pytest.approx(2.5e10, rel=0.1)
+    saved = tmp_path / "model.json"
+    model.save(saved)
+    assert PerformanceModel.load(saved) == model
+    seeds = PerformanceModel.seeds_example()
+    assert PerformanceModel.from_dict(json.loads(json.dumps(seeds.to_dict()))) == seeds
+
+
+def test_seeds_example_matches_the_headline_figures() -> None:
+    seeds = PerformanceModel.seeds_example()
+    assert 1000 / seeds.prefill.seconds(1000, 1000**2) == pytest.approx(3288)
+    assert 1 / seeds.decode.seconds(1, 2000) == pytest.approx(108, rel=0.01)
+
+    def step(batch: int) -> float:
+        return seeds.decode.seconds(batch, batch * 2000)
+
+    assert step(32) / step(1) < 1.1  # memory-bound: batching is almost free up to the knee
+    assert step(128) / step(64) == pytest.approx(2, rel=0.1)  # compute-bound past it
+
+
+# --- simulator -------------------------------------------------------------------------
+
+
+def test_md1_waiting_time_matches_pollaczek_khinchine() -> None:
+    """One prefill server, deterministic 1 s service (one 1000-token prompt per batch),
+    Poisson arrivals at rho = 0.7: mean wait rho S / (2 (1 - rho))."""
+    rho, service = 0.7, 1.0
+    workload = Workload.poisson(40_000, Lengths(1000), Lengths(1), seed=0)
+    timeline = simulate(TOY, Placement(1, 1, token_budget=1000), workload, rho / service)
+    wait = float(np.mean(timeline.prefill_start - timeline.arrival))
+    assert wait == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.04)
+
+
+def _two_requests() -> Workload:
+    # A: 1000-token prompt, 11 tokens, at 0 s. B: 1000-token prompt, 2 tokens, at 1.45 s.
+    return Workload.trace([(0.0, 1000, 11), (1.45, 1000, 2)])
+
+
+def test_colocated_prefill_stalls_running_decode() -> None:
+    """A is prefilled (0-1 s, first token), decodes 5 steps to 1.5 s, then B's prefill
+    (1.5-2.5 s) stalls it; its last 5 steps end at 3.0 s. B joins the batch after its prefill."""
+    workload = _two_requests()
+    timeline = simulate(TOY, Placement(0, 1), workload, workload.native_rate)
+    assert timeline.first_token == pytest.approx([1.0, 2.5])
+    assert timeline.last_token == pytest.approx([3.0, 2.6])
+    assert timeline.tpot == pytest.approx([0.2, 0.1])
+
+
+def test_disaggregated_decode_makes_the_first_token() -> None:
+    """A: prefill 0-1 s, 11 decode steps 1.0-2.1 s. B: prefill 1.45-2.45 s on the same
+    prefill instance (A's is done), 2 decode steps on the now idle decode instance."""
+    workload = _two_requests()
+    timeline = simulate(TOY, Placement(1, 1), workload, workload.native_rate)
+    assert timeline.first_token == pytest.approx([1.1, 2.55])
+    assert timeline.last_token == pytest.approx([2.1, 2.65])
+    assert timeline.tpot == pytest.approx([0.1, 0.1])
+
+
+def test_decode_batch_limit_queues_the_rest() -> None:
+    """Three requests at once (instant prefill) on one decode instance limited to 2: the
+    third joins when the first two finish their 3 steps. Same-instant arrivals share a step."""
+    workload = Workload.trace([(0.0, 1, 3), (0.0, 1, 3), (0.0, 1, 3), (10.0, 1, 1)])
+    instant_prefill = replace(TOY, prefill=PrefillCost(0.0, 0.0, 0.0))
+    timeline = simulate(instant_prefill, Placement(1, 1, batch_limit=2), workload, workload.native_rate)
+    assert timeline.last_token == pytest.approx([0.3, 0.3, 0.6, 10.1])
+    assert timeline.peak_batch == 2
+
+
+# --- search ----------------------------------------------------------------------------
+
+SEEDS = PerformanceModel.seeds_example()
+
+
+def _brute_force_best_split(workload: Workload, slo: SLO, space: SearchSpace, rates: np.ndarray) -> tuple[int, float]:
+    """The highest grid rate each split sustains within the SLO, then the best split."""
+    best = (0, 0.0)
+    for prefill in space.splits():
+        placement = Placement(prefill, space.instances - prefill, space.batch_limits[0])
+        passing = [
+            r for r in rates if simulate(SEEDS, placement, workload, r).meets(slo).mean() >= slo.attainment_target
+        ]
+        rate = max(passing, default=0.0)
+        if rate > best[1]:
+            best = (prefill, rate)
+    return best
+
+
+@pytest.mark.parametrize(
+    ("name", "prompt", "output", "slo", "expected_prefill"),
+    [
+        # Long prompts, short answers: prefill does ~all the work.
+        ("prefill-bound", 4000, 8, SLO(ttft_s=5.0, itl_s=0.1), 5),
+        # Short prompts, long answers: decode does.
+        ("decode-bound", 100, 1000, SLO(ttft_s=2.0, itl_s=0.05), 1),
+    ],
+)
+def test_search_finds_the_brute_force_optimum(
+    name: str, prompt: int, output: int, slo: SLO, expected_prefill: int
+) -> None:
+    workload = Workload.poisson(300, Lengths(prompt, 0.2), Lengths(output, 0.2), seed=0)
+    space = SearchSpace(instances=6, batch_limits=(64,), include_colocated=False)
+    result = search(SEEDS, workload, slo, space)
+    top = max(c.goodput_rps for c in result.candidates)
+    brute_prefill, brute_rate = _brute_force_best_split(workload, slo, space, np.linspace(0.1, 1.2, 45) * top)
+    assert result.best.placement.prefill == brute_prefill == expected_prefill, name
+    assert result.best.goodput_rps == pytest.approx(brute_rate, rel=0.05)
+    assert result.best.summary is not None and result.best.summary.attainment >= slo.attainment_target
+
+
+def test_goodput_is_zero_when_the_slo_is_unreachable() -> None:
+    workload = Workload.poisson(50, Lengths(2000), Lengths(10), seed=0)
+    # A 2000-token prefill alone takes 0.6 s.
+    candidate = max_goodput(SEEDS, Placement(1, 1), workload, SLO(ttft_s=0.1, itl_s=1.0), gpus=2)
+    assert candidate.goodput_rps == 0 and candidate.summary is None
+
+
+def test_larger_batch_limits_reuse_an_unfilled_smaller_one() -> None:
+    workload = Workload.poisson(100, Lengths(2000), Lengths(20), seed=0)
+    space = SearchSpace(instances=3, batch_limits=(16, 256))
+    result = search(SEEDS, workload, SLO(2.0, 0.1), space)
+    by_split = {}
+    for candidate in result.candidates:
+        by_split.setdefault(candidate.placement.prefill, []).append(candidate)
+    small, large = by_split[2]
+    assert not small.limit_reached  # one decode instance, prefill-bound: never 16 running
+    assert large.placement.batch_limit == 256 and large.goodput_rps == small.goodput_rps
+
+
+# --- command line ----------------------------------------------------------------------
+
+
+def test_cli_fits_a_probe_and_writes_the_recommendation(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    probe = tmp_path / "probe.json"
+    probe.write_text(json.dumps(PROBE_EXAMPLE))
+    out = tmp_path / "tune.json"
+    argv = [
+        "--probe", str(probe), "--save-model", str(tmp_path / "model.json"),
+        "--gpus", "16", "--gpus-per-instance", "4", "--ttft-slo", "3", "--itl-slo", "0.05",
+        "--prompt-tokens", "2000", "--output-tokens", "60", "--requests", "150",
+        "--batch-limits", "32", "64", "--out", str(out),
+    ]  # fmt: skip
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    best = Placement(**result["best"]["placement"])
+    assert f"recommended: {best.label}, decode batch limit {best.batch_limit}" in printed
+    assert len(result["candidates"]) == 4 * 2  # colocated + 3 splits, 2 limits each
+    assert PerformanceModel.load(tmp_path / "model.json") == PerformanceModel.from_probe(PROBE_EXAMPLE)
+    assert out.with_suffix(".png").stat().st_size > 0
+
+
+def test_cli_rejects_gpus_not_a_multiple_of_the_instance_size() -> None:
+    with pytest.raises(SystemExit):
+        main(["--seeds-example", "--gpus", "6", "--gpus-per-instance", "4", "--ttft-slo", "1", "--itl-slo", "0.1"])
