@@ -65,6 +65,7 @@ def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines and KV buffers live")
     parser.add_argument("--lease", type=int, default=30, help="seconds prefill holds blocks for decode to read")
+    parser.add_argument("--max-num-seqs", type=int, default=16, help="decode batch limit per engine")
 
 
 @dataclass(slots=True)
@@ -94,7 +95,7 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
         ray_cluster.start_local()
     gpu = args.device == "cuda"
     config = DeploymentConfig(
-        engine=EngineConfig(model=model),
+        engine=EngineConfig(model=model, max_num_seqs=args.max_num_seqs),
         transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease, nixl_progress_thread=gpu),
         num_prefill=num_prefill,
         num_decode=num_decode,

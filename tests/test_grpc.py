@@ -234,6 +234,14 @@ def test_admin_scale_pools_keeps_the_serving_mode(stack):
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
+def test_tune_apply_resizes_the_pools_through_admin(stack):
+    from bench.tuner.cli import _apply
+    from bench.tuner.simulator import Placement
+
+    assert _apply(stack[1].address, Placement(prefill=1, decode=1)) == 0
+    assert _apply(stack[1].address, Placement(prefill=0, decode=2)) == 1  # mode switch refused
+
+
 def test_reflection_lists_the_services(stack):
     async def list_services(channel):
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)

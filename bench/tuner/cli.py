@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     space.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="prompt tokens per prefill batch")
     space.add_argument("--no-colocated", action="store_true", help="leave out the colocated baseline")
     parser.add_argument("--out", type=Path, default=Path("bench/results/tune.json"), help="JSON; PNG beside it")
+    parser.add_argument(
+        "--apply",
+        metavar="HOST:PORT",
+        help="resize a running pdserve router's pools to the recommended split (actors drain before removal)",
+    )
     return parser
 
 
@@ -207,6 +212,34 @@ def main(argv: list[str] | None = None) -> int:
     png = args.out.with_suffix(".png")
     plot(result, png)
     print(f"results: {args.out}, plot: {png}")
+    if args.apply:
+        return _apply(args.apply, result.best.placement)
+    return 0
+
+
+def _apply(target: str, placement) -> int:  # noqa: ANN001 (simulator.Placement)
+    """Ask the router's Admin service to resize its live pools; it drains what it removes."""
+    import asyncio
+
+    import grpc
+
+    from proto.pdserve.v1 import generate_pb2 as pb
+    from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+    async def scale() -> pb.PoolSizes:
+        async with grpc.aio.insecure_channel(target) as channel:
+            request = pb.ScalePoolsRequest(prefill=placement.prefill, decode=placement.decode)
+            return await pb_grpc.AdminStub(channel).ScalePools(request)
+
+    try:
+        sizes = asyncio.run(scale())
+    except grpc.aio.AioRpcError as err:
+        print(f"apply failed: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    print(
+        f"applied: {target} now runs {sizes.prefill} prefill + {sizes.decode} decode actors "
+        f"(decode batch limit {placement.batch_limit} is an engine setting: restart with --max-num-seqs to apply it)"
+    )
     return 0
 
 
