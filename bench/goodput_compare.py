@@ -17,21 +17,25 @@ of >= 40 tok/s) is where a prefill stalling the decode batch starts to show. Bot
 with --ttft-slo / --itl-slo; with ITL 50 ms the comparison is about raw capacity only.
 
 Bounded: rates x --num-requests requests per system, each rate cut at --time-limit seconds;
-the defaults finish in about 5-6 minutes (at most ~9) on this machine.
+the defaults finish in about 4-5 minutes (at most ~9) on this machine.
 
-    python -m bench.goodput_compare [--rates 1 2 3 4 5] [--num-requests 40] [--itl-slo 0.025]
+    python -m bench.goodput_compare [--rates 1 2 3 4 5] [--num-requests 40] [--itl-slo 0.05]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.loadgen import PROFILES, SLO, LoadConfig, RunReport, plot_cdfs, plot_goodput, sweep, write_json
+import psutil
+
+from bench.loadgen import LoadConfig, RunReport, add_load_args, load_config, plot_cdfs, plot_goodput, sweep, write_json
 from router.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer
@@ -69,9 +73,21 @@ def saturation(reports: Sequence[RunReport]) -> Saturation:
     return Saturation(peak.summary.goodput_rps, peak.rate, within)
 
 
-def goodput_ratio(disaggregated: RunReport, colocated: RunReport) -> float | None:
-    base = colocated.summary.goodput_rps
-    return disaggregated.summary.goodput_rps / base if base else None
+def _ratio(value: float, base: float) -> str:
+    return f"{value / base:.2f}x" if base else "-"
+
+
+async def _actor_pids(deployment: Deployment) -> list[int]:
+    members = deployment.prefill.members + deployment.decode.members
+    return list(await asyncio.gather(*(m.actor.__ray_call__.remote(lambda _actor: os.getpid()) for m in members)))
+
+
+async def _wait_exited(pids: Sequence[int], timeout_s: float = 60.0) -> None:
+    # ray.kill returns before the engine processes are gone: the next deployment's engines
+    # must not start beside them (cores, memory).
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
 
 
 async def measure(system: System, model: str, rates: Sequence[float], config: LoadConfig) -> list[RunReport]:
@@ -79,18 +95,23 @@ async def measure(system: System, model: str, rates: Sequence[float], config: Lo
         DeploymentConfig(engine=EngineConfig(model=model), num_prefill=system.num_prefill, num_decode=system.num_decode)
     )
     started = time.perf_counter()
+    pids: list[int] = []
     try:
         orchestrator = await deployment.start()
+        pids = await _actor_pids(deployment)
         # Token-id prompts only: no tokenizer needed in the router.
         server = RouterServer(orchestrator, lambda text: [], model)
         await server.start()
-        print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {server.address}", flush=True)
+        print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {server.address}", file=sys.stderr)
         try:
             return await sweep(server.address, rates, config, label=f"{system.name} ")
         finally:
             await server.stop(0)
+            # Anything else running on the cores shows up in the numbers: say how busy it was.
+            print(f"{system.name}: done, 5-min load average {os.getloadavg()[1]:.1f}", file=sys.stderr)
     finally:
         deployment.shutdown()
+        await _wait_exited(pids)
 
 
 def _cell(report: RunReport) -> str:
@@ -111,8 +132,7 @@ def print_table(results: dict[str, list[RunReport]]) -> None:
     print(f"{'rate':>5} | {'disaggregated':^29} | {'colocated':^29} | goodput ratio")
     print(f"{'req/s':>5} | {header} | {header} | disagg / coloc")
     for d, c in zip(disagg, coloc):
-        ratio = goodput_ratio(d, c)
-        print(f"{d.rate:5g} | {_cell(d):>29} | {_cell(c):>29} | {'-' if ratio is None else f'{ratio:.2f}x'}")
+        print(f"{d.rate:5g} | {_cell(d):>29} | {_cell(c):>29} | {_ratio(d.summary.goodput_rps, c.summary.goodput_rps)}")
     print("(goodput req/s; SLO% = share of requests meeting both SLOs; TTFT ms; ITL = p90 of per-request ITL, ms)")
     for name, reports in results.items():
         s = saturation(reports)
@@ -122,7 +142,7 @@ def print_table(results: dict[str, list[RunReport]]) -> None:
             f"highest rate with >= {ATTAINMENT_TARGET:.0%} within SLO: {within}"
         )
     d, c = saturation(disagg), saturation(coloc)
-    print(f"peak goodput ratio disaggregated / colocated: {d.peak_goodput_rps / c.peak_goodput_rps:.2f}x")
+    print(f"peak goodput ratio disaggregated / colocated: {_ratio(d.peak_goodput_rps, c.peak_goodput_rps)}")
 
 
 async def compare(model: str, rates: Sequence[float], config: LoadConfig) -> dict[str, list[RunReport]]:
@@ -132,30 +152,16 @@ async def compare(model: str, rates: Sequence[float], config: LoadConfig) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 3, 4, 5], help="req/s, increasing")
-    parser.add_argument("--num-requests", type=int, default=40, help="per rate")
-    parser.add_argument("--time-limit", type=float, default=45.0, help="seconds per rate")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="default")
-    parser.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
-    parser.add_argument("--itl-slo", type=float, default=SLO().itl_s, help="seconds")
-    parser.add_argument("--itl-stat", choices=["mean", "p90"], default="mean", help="per-request ITL statistic")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 2, 3, 4, 5], help="req/s")
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/goodput_compare.json"))
+    add_load_args(parser, num_requests=40, time_limit_s=45.0, out=Path("bench/results/goodput_compare.json"))
     args = parser.parse_args()
-    config = LoadConfig(
-        num_requests=args.num_requests,
-        time_limit_s=args.time_limit,
-        profile=PROFILES[args.profile],
-        seed=args.seed,
-        slo=SLO(args.ttft_slo, args.itl_slo, args.itl_stat),
-    )
     started = time.perf_counter()
     start_local()
-    results = asyncio.run(compare(resolve_model(args.model), sorted(args.rates), config))
+    results = asyncio.run(compare(resolve_model(args.model), sorted(args.rates), load_config(args)))
     write_json(args.out, {name: [asdict(r) for r in reports] for name, reports in results.items()})
     plot_goodput(results, args.out.with_name(f"{args.out.stem}_goodput.png"))
-    plot_cdfs([r for reports in results.values() for r in reports], args.out.with_name(f"{args.out.stem}_cdf.png"))
+    plot_cdfs(results, args.out.with_name(f"{args.out.stem}_cdf.png"))
     print_table(results)
     print(f"results: {args.out} (+ _goodput.png, _cdf.png); wall time {time.perf_counter() - started:.0f} s")
 

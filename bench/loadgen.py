@@ -42,7 +42,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
-from typing import Literal
+from types import ModuleType
+from typing import TYPE_CHECKING, Literal
 
 import grpc
 from tqdm import tqdm
@@ -50,6 +51,9 @@ from tqdm import tqdm
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.client import build_request, stream_generate
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 TOKEN_ID_RANGE = (1, 2000)  # [low, high): clear of the embedded model's special ids (vocab 2048)
 
@@ -81,13 +85,16 @@ class RequestSpec:
     output_tokens: int
 
 
+ItlStat = Literal["mean", "p90"]
+
+
 @dataclass(frozen=True, slots=True)
 class SLO:
     # About 5x and 2.5x a lone ~1000-token request on this 2-core CPU box (TTFT 130-190 ms,
     # 8-12 ms per token): bench/goodput_compare.py explains the choice.
     ttft_s: float = 1.0
     itl_s: float = 0.025
-    itl_stat: Literal["mean", "p90"] = "mean"  # how a request's gaps become its ITL
+    itl_stat: ItlStat = "mean"  # how a request's gaps become its ITL
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +132,7 @@ class RequestRecord:
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in pairwise(self.token_times_s)]
 
-    def itl_s(self, stat: str) -> float | None:
+    def itl_s(self, stat: ItlStat) -> float | None:
         """None for a single-token output (nothing to be late for)."""
         gaps = self.gaps_s
         if not gaps:
@@ -219,6 +226,8 @@ def parse_trace(lines: Iterable[str]) -> list[RequestSpec]:
         if row[0] < 0 or row[1] < 1 or row[2] < 1:
             raise ValueError(f"trace line {number}: need arrival_s >= 0 and token counts >= 1")
         rows.append(row)
+    if not rows:
+        raise ValueError("trace has no requests")
     rows.sort(key=lambda r: r[0])
     return [RequestSpec(i, *row) for i, row in enumerate(rows)]
 
@@ -373,13 +382,27 @@ def write_json(path: Path, payload: object) -> None:
     path.write_text(json.dumps(payload, indent=1))
 
 
-def plot_cdfs(runs: Sequence[RunReport], path: Path) -> None:
-    """TTFT, ITL gap and end-to-end CDFs, one line per run (completed requests)."""
+def _pyplot() -> ModuleType:
+    """matplotlib, imported only when plotting, drawing to files (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig: Figure, path: Path) -> None:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    _pyplot().close(fig)
+
+
+def plot_cdfs(series: dict[str, Sequence[RunReport]], path: Path) -> None:
+    """TTFT, inter-token gap and end-to-end CDFs of completed requests: one line style per
+    series (system), one colour per run in it (rate), so equal rates share a colour."""
+    plt = _pyplot()
     metrics = {
         "TTFT": lambda r: [q.token_times_s[0] for q in r.requests if q.completed],
         "inter-token gap": lambda r: [g for q in r.requests if q.completed for g in q.gaps_s],
@@ -387,27 +410,21 @@ def plot_cdfs(runs: Sequence[RunReport], path: Path) -> None:
     }
     fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
     for ax, (name, values_of) in zip(axes, metrics.items()):
-        for run in runs:
-            values = sorted(values_of(run))
-            if values:
-                ax.plot(values, [(i + 1) / len(values) for i in range(len(values))], label=run.label)
+        for style, runs in zip(("-", "--", ":", "-."), series.values()):
+            for colour, run in enumerate(runs):
+                values = sorted(values_of(run))
+                fractions = [(i + 1) / len(values) for i in range(len(values))]
+                ax.plot(values, fractions, linestyle=style, color=f"C{colour % 10}", label=run.label)
         ax.set(title=f"{name} CDF", xlabel="seconds (log)", ylabel="fraction")
         ax.set_xscale("log", nonpositive="mask")  # 0 s gaps: tokens that arrived in one message
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_goodput(series: dict[str, Sequence[RunReport]], path: Path) -> None:
-    """Goodput and SLO attainment against offered rate, one line per system."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Goodput and SLO attainment against offered rate, one line per series (system)."""
+    plt = _pyplot()
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
     top = max(r.rate or 0.0 for runs in series.values() for r in runs)
     left.plot([0, top], [0, top], color="grey", linestyle=":", label="offered")
@@ -426,34 +443,25 @@ def plot_goodput(series: dict[str, Sequence[RunReport]], path: Path) -> None:
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _save(fig, path)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", required=True, help="HOST:PORT of a pdserve gRPC server (loopback only)")
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--rate", type=float, nargs="+", help="Poisson arrival rate(s), req/s; several: a sweep")
-    source.add_argument("--trace", type=Path, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default="default", help="length distribution (rates)")
-    parser.add_argument("--num-requests", type=int, default=100, help="per run (a trace is cut to this many)")
-    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per run")
+def add_load_args(parser: argparse.ArgumentParser, num_requests: int, time_limit_s: float, out: Path) -> None:
+    """Options shared by every command that runs this load generator."""
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="default", help="length distribution")
+    parser.add_argument("--num-requests", type=int, default=num_requests, help="per run (a trace is cut to this many)")
+    parser.add_argument("--time-limit", type=float, default=time_limit_s, help="seconds per run")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
     parser.add_argument("--itl-slo", type=float, default=SLO().itl_s, help="seconds")
     parser.add_argument("--itl-stat", choices=["mean", "p90"], default="mean", help="per-request ITL statistic")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured serial requests first")
     parser.add_argument("--no-progress", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/loadgen.json"), help="JSON; PNGs beside it")
-    return parser
+    parser.add_argument("--out", type=Path, default=out, help="JSON results; PNG plots beside it")
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    config = LoadConfig(
+def load_config(args: argparse.Namespace) -> LoadConfig:
+    return LoadConfig(
         num_requests=args.num_requests,
         time_limit_s=args.time_limit,
         profile=PROFILES[args.profile],
@@ -462,12 +470,23 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         progress=not args.no_progress,
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", required=True, help="HOST:PORT of a pdserve gRPC server (loopback only)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--rate", type=float, nargs="+", help="Poisson arrival rate(s), req/s; several: a sweep")
+    source.add_argument("--trace", type=Path, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
+    add_load_args(parser, num_requests=100, time_limit_s=120.0, out=Path("bench/results/loadgen.json"))
+    args = parser.parse_args(argv)
+    config = load_config(args)
     if args.trace:
         reports = [asyncio.run(replay(args.target, parse_trace(args.trace.read_text().splitlines()), config))]
     else:
         reports = asyncio.run(sweep(args.target, args.rate, config))
     write_json(args.out, [asdict(r) for r in reports])
-    plot_cdfs(reports, args.out.with_name(f"{args.out.stem}_cdf.png"))
+    plot_cdfs({args.target: reports}, args.out.with_name(f"{args.out.stem}_cdf.png"))
     if len(reports) > 1:
         plot_goodput({args.target: reports}, args.out.with_name(f"{args.out.stem}_goodput.png"))
     for report in reports:
