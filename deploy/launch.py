@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     own, serve_args = _split(argv)
     parser = argparse.ArgumentParser(prog="deploy/launch.py", description=__doc__.split("\n")[0])
     parser.add_argument("config", nargs="?", help="cluster YAML given to `ray up` (not with --on-head)")
-    parser.add_argument("--prefill", type=int, help="prefill engines (default: every prefill slot)")
+    parser.add_argument("--prefill", type=int, help="prefill engines (default: every prefill slot; 0: colocated)")
     parser.add_argument("--decode", type=int, help="decode engines (default: every decode slot)")
     parser.add_argument("--listen", default="0.0.0.0:50051", help="gRPC address on the head")
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for nodes and engines")
@@ -76,7 +76,7 @@ def _submit(args: argparse.Namespace, serve_args: list[str]) -> int:
         head_args.append("--stop")
     else:
         head_args += ["--workers", str(expected_workers(config)), "--listen", args.listen]
-        head_args += [f"--{pool}={n}" for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n]
+        head_args += [f"--{pool}={n}" for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None]
     # `ray submit` joins the script's arguments with spaces into a shell command: quote them.
     quoted = [shlex.quote(a) for a in [*head_args, "--", *serve_args]]
     return subprocess.call([_tool("ray"), "submit", args.config, os.path.abspath(__file__), "--", *quoted])
@@ -97,18 +97,24 @@ def _start(args: argparse.Namespace, serve_args: list[str], home: Path) -> int:
         print(f"pdserve serve already runs on the head (pid {pid}); --stop it first", file=sys.stderr)
         return 1
     deadline = time.monotonic() + args.timeout
-    prefill, decode = args.prefill, args.decode
-    if not (prefill and decode):
-        slots = _wait_for_pool_nodes(args.workers, deadline)
+    counts = {"prefill": args.prefill, "decode": args.decode}
+    if None in counts.values():
+        try:
+            slots = _wait_for_pool_nodes(args.workers, deadline)
+        except TimeoutError as e:
+            print(e, file=sys.stderr)
+            return 1
         for address, pools in sorted(slots.items()):
             print(f"node {address}: " + ", ".join(f"{n} {pool} slot(s)" for pool, n in pools.items() if n))
-        prefill = prefill or sum(p["prefill"] for p in slots.values())
-        decode = decode or sum(p["decode"] for p in slots.values())
-    if not (prefill and decode):
-        print(f"need at least one slot per pool, found prefill={prefill} decode={decode}", file=sys.stderr)
-        return 1
-    cmd = [_tool("pdserve"), "serve", "--address", "auto", "--prefill", str(prefill),
-           "--decode", str(decode), "--listen", args.listen, *serve_args]  # fmt: skip
+        for pool, n in counts.items():
+            if n is None:
+                counts[pool] = sum(p[pool] for p in slots.values())
+                if not counts[pool]:
+                    print(f"no worker node offers {pool} slots (`ray status`)", file=sys.stderr)
+                    return 1
+    prefill, decode = counts["prefill"], counts["decode"]
+    cmd = [_tool("pdserve"), "serve", "--address", "auto", "--prefill", str(prefill), "--decode", str(decode)]
+    cmd += ["--listen", args.listen, *serve_args]
     print("starting: " + shlex.join(cmd))
     with open(home / SERVE_LOG, "ab") as log:
         # Own session: it must outlive this SSH session (and its hang-up).
@@ -144,7 +150,7 @@ def _wait_for_pool_nodes(workers: int, deadline: float) -> dict[str, dict[str, i
             if len(slots) >= workers:
                 return slots
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{len(slots)} of {workers} worker nodes joined in time")
+                raise TimeoutError(f"only {len(slots)} of {workers} worker nodes joined in time (`ray status`)")
             time.sleep(2)
     finally:
         ray.shutdown()

@@ -12,12 +12,10 @@ or /tmp, and killing the sandbox's first process kills everything started inside
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,10 +34,6 @@ HEAD, PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 SSH_KEY = "/root/.ssh/id_ed25519"  # inside the sandbox
 
 
-def _die_with_parent() -> None:
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 class Sandbox:
     """Private net/PID/mount namespaces. /root is `home`, /tmp is `workspace/tmp` inside."""
 
@@ -48,15 +42,21 @@ class Sandbox:
         self.logs = workspace / "logs"
         for d in (self.home / ".ssh", workspace / "tmp", self.logs):
             d.mkdir(parents=True, mode=0o700)
-        # unshare dies with this process (pdeathsig) and its child, the namespaces' init,
-        # dies with unshare (--kill-child): a crashed test leaves nothing behind.
+        # unshare dies with this process (setpriv --pdeathsig) and its child, the namespaces'
+        # init, dies with unshare (--kill-child): even a killed test run leaves nothing behind.
         self._holder = subprocess.Popen(
-            ["unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc", "--propagation=private",
-             "--kill-child", "sleep", "infinity"],
-            preexec_fn=_die_with_parent,
-        )  # fmt: skip
+            ["setpriv", "--pdeathsig=KILL", "unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc",
+             "--propagation=private", "--kill-child", "sleep", "infinity"]
+        )
         self._background: list[subprocess.Popen] = []
-        self.init_pid = self._child_of(self._holder.pid)
+        try:
+            self.init_pid = self._child_of(self._holder.pid)
+            self._mount_private_dirs(workspace)
+        except BaseException:
+            self.close()
+            raise
+
+    def _mount_private_dirs(self, workspace: Path) -> None:
         # The venv's interpreter may live in the real home (pyenv): show it, read-only.
         base = Path(sys.base_prefix)
         mounts = ["ip link set lo up"]
@@ -85,7 +85,7 @@ class Sandbox:
         return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", f"--wd={REPO}", "bash", "-c", cmd]
 
     def run(self, cmd: str, timeout: float = 60, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
-        result = subprocess.run(self._enter(cmd), capture_output=True, text=True, timeout=timeout, env=env)
+        result = subprocess.run(self._enter(cmd), check=False, capture_output=True, text=True, timeout=timeout, env=env)
         if check:
             assert result.returncode == 0, f"{cmd!r} failed:\n{_tail(result)}"
         return result
@@ -94,8 +94,8 @@ class Sandbox:
         with open(self.logs / log_name, "wb") as log:
             self._background.append(subprocess.Popen(self._enter(cmd), stdout=log, stderr=subprocess.STDOUT))
 
-    def processes(self) -> list[str]:
-        return self.run("ps -eo comm=", check=True).stdout.split()
+    def running(self, names: set[str]) -> set[str]:
+        return names & set(self.run("ps -eo comm=", check=True).stdout.split())
 
     def close(self) -> None:
         self._holder.kill()
@@ -147,8 +147,12 @@ def fake_cluster_config() -> dict:
         "max_workers": aws["max_workers"],
         "upscaling_speed": aws["upscaling_speed"],
         "idle_timeout_minutes": 0.1,
-        "provider": {"type": "fake_multinode", "use_node_id_as_ip": True, "disable_node_updaters": True,
-                     "disable_launch_config_check": True},  # fmt: skip
+        "provider": {
+            "type": "fake_multinode",
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
         "auth": {},
         "docker": {},
         "available_node_types": node_types,
@@ -203,11 +207,11 @@ def test_engines_launch_their_node_types_and_idle_nodes_go(sandbox):
         "ray start --head --port=6379 --autoscaling-config=/root/fake.yaml --num-cpus=1 "
         "--object-store-memory=100000000 --include-dashboard=false",
         timeout=90, env=env, check=True,
-    )  # fmt: skip
+    )
     drive = sandbox.run(
         "cd tests && python -c 'from test_deploy_loopback import drive_fake_cluster; drive_fake_cluster()'",
         timeout=300, env=env,
-    )  # fmt: skip
+    )
     assert drive.returncode == 0, _tail(drive)
     steps = {s["step"]: s for s in map(json.loads, drive.stdout.splitlines())}
     print(json.dumps(steps, indent=1))
@@ -236,10 +240,14 @@ MaxSessions 100
 LogLevel ERROR
 """
 
-# What the on-prem setup commands leave in ~/.bashrc, pointed at this checkout's venv.
+# What the on-prem setup commands leave in ~/.bashrc (~/pdserve is this checkout here), plus:
+# the hosts count as CPU hosts even on a GPU machine (no nvidia-smi: one engine slot each);
+# `ray down` stops only the head's Ray on the local provider, and a worker's raylet exits once
+# the head's GCS has been gone this long (60 s by default; its agents follow within a minute).
 BASHRC = """\
 source ~/pdserve/.venv/bin/activate
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0
+export PATH=~/cpu-host:$PATH
+export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_gcs_rpc_server_reconnect_timeout_s=10
 """
 
 
@@ -247,8 +255,11 @@ def _ensure_ssh_tools() -> None:
     if shutil.which("sshd", path="/usr/sbin") and shutil.which("rsync"):
         return
     # Debian's policy-rc.d in containers keeps the package from starting a system sshd.
-    subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "rsync"],
-                   check=True, capture_output=True, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})  # fmt: skip
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "rsync"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(install, check=False, capture_output=True, env=env).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True, env=env)
+        subprocess.run(install, check=True, capture_output=True, env=env)
 
 
 def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
@@ -271,7 +282,7 @@ def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
         )
     probe = f"ssh -i {SSH_KEY} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
     for ip in ips:
-        assert wait_until(lambda: box.run(f"{probe} root@{ip} true").returncode == 0, 10), f"no sshd on {ip}"
+        assert wait_until(lambda ip=ip: box.run(f"{probe} root@{ip} true").returncode == 0, 10), f"no sshd on {ip}"
 
 
 def loopback_config() -> dict:
@@ -282,23 +293,31 @@ def loopback_config() -> dict:
     config["provider"].update(head_ip=HEAD, worker_ips=[PREFILL_HOST, DECODE_HOST])
     config["auth"] = {"ssh_user": "root", "ssh_private_key": SSH_KEY}
     config["setup_commands"] = []
-    commands = []
-    for cmd in config["worker_start_ray_commands"]:
-        cmd, n_prefill = re.subn(r'PREFILL_HOSTS="[^"]*"', f'PREFILL_HOSTS="{PREFILL_HOST}"', cmd)
-        cmd, n_decode = re.subn(r'DECODE_HOSTS="[^"]*"', f'DECODE_HOSTS="{DECODE_HOST}"', cmd)
-        commands.append(cmd)
-    assert n_prefill == n_decode == 1, "onprem.yaml's worker start command no longer sets PREFILL_HOSTS/DECODE_HOSTS"
-    config["worker_start_ray_commands"] = commands
+    *before, start = config["worker_start_ray_commands"]
+    start, n_prefill = re.subn(r'PREFILL_HOSTS="[^"]*"', f'PREFILL_HOSTS="{PREFILL_HOST}"', start)
+    start, n_decode = re.subn(r'DECODE_HOSTS="[^"]*"', f'DECODE_HOSTS="{DECODE_HOST}"', start)
+    assert n_prefill == n_decode == 1, "onprem.yaml's last worker start command no longer sets the pools' hosts"
+    # All hosts share one network namespace here, and every node's dashboard agent also binds
+    # 127.0.0.1:52365: the workers take a free port instead.
+    config["worker_start_ray_commands"] = [*before, start + " --dashboard-agent-listen-port=0"]
     return config
+
+
+def prepare_home(box: Sandbox, model_path: str) -> None:
+    """The hosts' shared /root: this checkout as ~/pdserve, ~/.bashrc, the model, the config."""
+    (box.home / "pdserve").symlink_to(REPO)
+    (box.home / ".bashrc").write_text(BASHRC)
+    (box.home / "cpu-host").mkdir()
+    (box.home / "cpu-host" / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
+    (box.home / "cpu-host" / "nvidia-smi").chmod(0o755)
+    shutil.copytree(model_path, box.home / "model")
+    (box.home / "cluster.yaml").write_text(yaml.safe_dump(loopback_config(), sort_keys=False))
 
 
 @pytest.mark.slow
 def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
     start_ssh_hosts(sandbox, [HEAD, PREFILL_HOST, DECODE_HOST])
-    (sandbox.home / "pdserve").symlink_to(REPO)
-    (sandbox.home / ".bashrc").write_text(BASHRC)
-    shutil.copytree(model_path, sandbox.home / "model")
-    (sandbox.home / "cluster.yaml").write_text(yaml.safe_dump(loopback_config(), sort_keys=False))
+    prepare_home(sandbox, model_path)
     # Autoscaler v2 never launches the local provider's workers.
     env = _client_env(RAY_UP_enable_autoscaler_v2="0")
     timings = {}
@@ -320,12 +339,15 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
         assert f"node {PREFILL_HOST}: 1 prefill slot(s)" in launch.stdout, _tail(launch)
         assert f"node {DECODE_HOST}: 1 decode slot(s)" in launch.stdout, _tail(launch)
         assert "1 prefill + 1 decode engines" in launch.stdout, _tail(launch)
+        status = step("ray status", "ray exec /root/cluster.yaml 'ray status'", 60)
+        assert re.search(rf"1(\.0)?/1(\.0)? {PREFILL_RESOURCE}", status.stdout), _tail(status)
+        assert re.search(rf"1(\.0)?/1(\.0)? {DECODE_RESOURCE}", status.stdout), _tail(status)
 
         gen = step("generate", f"pdserve generate --target {HEAD}:50051 --max-tokens 8 'Prefill reads the prompt'", 60)
         usage = re.search(r"prompt / completion tokens\s+(\d+) / (\d+)", gen.stdout)
         assert usage and int(usage[1]) > 0 and int(usage[2]) > 0, _tail(gen)
-        assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.M), _tail(gen)
-        assert re.search(r"on decode-0$", gen.stdout, re.M), _tail(gen)
+        assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.MULTILINE), _tail(gen)
+        assert re.search(r"on decode-0$", gen.stdout, re.MULTILINE), _tail(gen)
 
         stop = step("launch --stop", "python deploy/launch.py /root/cluster.yaml --stop", 90)
         assert "stopped pdserve serve" in stop.stdout, _tail(stop)
@@ -333,5 +355,5 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
         down = timed("ray down", "ray down -y /root/cluster.yaml", 120)
         print(timings)
     assert down.returncode == 0, _tail(down)
-    left = {"raylet", "gcs_server", "pdserve"} & set(sandbox.processes())
-    assert not left, f"still running after ray down: {left}"
+    core = {"gcs_server", "raylet", "pdserve"}
+    assert wait_until(lambda: not sandbox.running(core), 30), f"still running after ray down: {sandbox.running(core)}"
