@@ -95,7 +95,8 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
         ray_cluster.start_local()
     gpu = args.device == "cuda"
     config = DeploymentConfig(
-        engine=EngineConfig(model=model, max_num_seqs=args.max_num_seqs),
+        # Unresolved: "embedded" is built on each node, so nodes need no shared filesystem.
+        engine=EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs),
         transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease, nixl_progress_thread=gpu),
         num_prefill=num_prefill,
         num_decode=num_decode,

@@ -52,5 +52,6 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
 
 
 def join(address: str) -> None:
-    os.environ.update(ISOLATION_ENV)
+    for key, value in ISOLATION_ENV.items():  # the cluster's own settings (e.g. token auth) win
+        os.environ.setdefault(key, value)
     ray.init(address=address, namespace="pdserve", log_to_driver=False)
