@@ -16,3 +16,5 @@ test: install
 bench: install
 	$(VENV)/bin/python -m bench.disagg_vs_colocated
 	$(VENV)/bin/python -m bench.stack_overhead
+	$(VENV)/bin/python -m bench.nixl_transfer
+	$(VENV)/bin/python -m bench.goodput_compare
