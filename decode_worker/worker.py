@@ -22,15 +22,16 @@ from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
 from kv_transfer.progress_thread import set_nixl_progress_thread
 from vllm_engine.config import EngineConfig
-from vllm_engine.loop import EngineLoad, EngineLoop
+from vllm_engine.loop import EngineLoop
 from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
+from vllm_engine.worker_base import EngineWorker
 
 
 class TransferFailedError(RuntimeError):
     """Decode could not load the request's state from its producer."""
 
 
-class DecodeWorker:
+class DecodeWorker(EngineWorker):
     def __init__(
         self,
         name: str,
@@ -95,15 +96,6 @@ class DecodeWorker:
                 _top_logprobs(completion.logprobs),
                 time.time(),
             )
-
-    def load(self) -> EngineLoad:
-        return self._loop.load()
-
-    def model_limits(self) -> ModelLimits:
-        return self.limits
-
-    def shutdown(self) -> None:
-        self._loop.shutdown()
 
 
 async def _first_within(outputs: AsyncIterator, timeout_s: float, handle: TransferHandle) -> AsyncIterator:

@@ -17,10 +17,3 @@ class PrefillActor(PrefillWorker):
         channel = pick_side_channel(ray.util.get_node_ip_address())
         super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
         self._metrics_address = serve_metrics(ray.util.get_node_ip_address())
-
-    def ready(self) -> str:
-        return self.engine_id
-
-    def metrics_address(self) -> str:
-        """Where Prometheus scrapes this worker's transfer metrics."""
-        return self._metrics_address

@@ -24,8 +24,9 @@ from kv_transfer.layout import StateLayout
 from kv_transfer.metrics import LEASES_GRANTED, TransferStatLogger
 from kv_transfer.progress_thread import set_nixl_progress_thread
 from vllm_engine.config import EngineConfig
-from vllm_engine.loop import EngineLoad, EngineLoop
+from vllm_engine.loop import EngineLoop
 from vllm_engine.requests import GenerateRequest, ModelLimits
+from vllm_engine.worker_base import EngineWorker
 
 
 class PrefillFailedError(RuntimeError):
@@ -38,7 +39,7 @@ class PrefillResult:
     prefill_s: float  # from arrival at this worker to the blocks being ready
 
 
-class PrefillWorker:
+class PrefillWorker(EngineWorker):
     def __init__(
         self,
         name: str,
@@ -88,14 +89,5 @@ class PrefillWorker:
         LEASES_GRANTED.inc()
         return PrefillResult(handle, time.perf_counter() - started)
 
-    def load(self) -> EngineLoad:
-        return self._loop.load()
-
-    def model_limits(self) -> ModelLimits:
-        return self.limits
-
     def state_layout(self) -> StateLayout:
         return self.layout
-
-    def shutdown(self) -> None:
-        self._loop.shutdown()

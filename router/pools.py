@@ -26,6 +26,7 @@ class Member:
     # cleared when a load report or a call fails.
     alive: bool = False
     draining: bool = False  # being removed: finishes its requests, never picked again
+    engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
 
 
 @dataclass(slots=True)
@@ -66,8 +67,8 @@ class Pool:
     async def refresh_loads(self, timeout_s: float) -> list[Member]:
         """Poll every member's load; one that does not answer in time counts as dead.
 
-        Returns the members that answer but are not alive yet (new or restarted): the
-        caller decides when they may take traffic.
+        Returns the members that answer but are not alive yet, or answer under a new engine
+        id (new, or restarted between two polls): the caller decides when they take traffic.
         """
 
         async def report(member: Member) -> EngineLoad | None:
@@ -82,7 +83,11 @@ class Pool:
             member.load = load
             if load is None:
                 member.alive = False
-            elif not member.alive and not member.draining:
+            elif member.draining:
+                continue
+            elif not member.alive or load.engine_id != member.engine_id:
+                member.alive = False  # until the caller has handshaken it
+                member.engine_id = load.engine_id
                 joining.append(member)
         return joining
 

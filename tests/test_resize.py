@@ -3,9 +3,9 @@
 import asyncio
 
 import pytest
-
 from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
+
 from router.deployment import Deployment, DeploymentConfig
 
 
@@ -32,7 +32,12 @@ def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):
         assert await grow == (1, 2)
         assert ("prefill-0", "decode-1") in orchestrator.handshakes  # handshaken before traffic
         in_flight = asyncio.ensure_future(traffic("shrink", 6))
-        await asyncio.sleep(0.2)  # requests are now running on both decode actors
+        leaving = dep.decode.members[1]
+        for _ in range(300):  # shrink only once the leaving actor has requests to finish
+            if leaving.outstanding_requests:
+                break
+            await asyncio.sleep(0.01)
+        assert leaving.outstanding_requests, "no request was routed to the new decode actor"
         sizes = await dep.resize(1, 1)
         return during_grow, await in_flight, sizes
 

@@ -37,6 +37,7 @@ class EngineLoad:
     held_for_transfer: int  # finished on this engine, blocks kept for a peer to read
     free_blocks: int
     total_blocks: int
+    engine_id: str = ""  # filled in by the worker that owns the engine
 
 
 @dataclass(frozen=True, slots=True)
