@@ -35,7 +35,16 @@ from pathlib import Path
 
 import psutil
 
-from bench.loadgen import LoadConfig, RunReport, add_load_args, load_config, plot_cdfs, plot_goodput, sweep, write_json
+from bench.loadgen import (
+    LoadConfig,
+    RunReport,
+    add_load_args,
+    load_config,
+    plot_cdfs,
+    plot_goodput,
+    sweep,
+    write_json,
+)
 from router.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer

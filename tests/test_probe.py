@@ -3,8 +3,9 @@
 import json
 from dataclasses import asdict
 
-from bench.probe import ProbeConfig, ProbeResult, run_probe
 from conftest import run
+
+from bench.probe import ProbeConfig, ProbeResult, run_probe
 
 
 def test_knee_is_where_decode_throughput_stops_scaling():

@@ -11,8 +11,8 @@ import signal
 
 import pytest
 import ray
-
 from conftest import assert_no_blocks_held, run, wait_until
+
 from decode_worker import TransferFailedError
 from kv_transfer.connector_config import TransferConfig
 from router.deployment import Deployment, DeploymentConfig

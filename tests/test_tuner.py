@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from bench.tuner.cli import main
-from bench.tuner.model import DecodeCost, Layout, PerformanceModel, PrefillCost, TransferCost, load_probe
+from bench.tuner.model import (
+    DecodeCost,
+    Layout,
+    PerformanceModel,
+    PrefillCost,
+    TransferCost,
+    load_probe,
+)
 from bench.tuner.search import SearchSpace, max_goodput, search
 from bench.tuner.simulator import SLO, Lengths, Placement, Workload, simulate
 

@@ -21,7 +21,13 @@ from pathlib import Path
 from types import ModuleType
 
 from bench.tuner.model import PerformanceModel, load_probe
-from bench.tuner.search import DEFAULT_BATCH_LIMITS, Candidate, SearchResult, SearchSpace, search
+from bench.tuner.search import (
+    DEFAULT_BATCH_LIMITS,
+    Candidate,
+    SearchResult,
+    SearchSpace,
+    search,
+)
 from bench.tuner.simulator import DEFAULT_TOKEN_BUDGET, SLO, Lengths, Workload
 
 

@@ -14,7 +14,14 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from bench.tuner.model import PerformanceModel
-from bench.tuner.simulator import DEFAULT_TOKEN_BUDGET, SLO, Placement, Summary, Workload, simulate
+from bench.tuner.simulator import (
+    DEFAULT_TOKEN_BUDGET,
+    SLO,
+    Placement,
+    Summary,
+    Workload,
+    simulate,
+)
 
 DEFAULT_BATCH_LIMITS = (16, 32, 64, 128, 256)
 BISECTIONS = 8  # rate resolution: 1/256 of the first bracket
