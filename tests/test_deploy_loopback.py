@@ -57,16 +57,22 @@ class Sandbox:
             raise
 
     def _mount_private_dirs(self, workspace: Path) -> None:
-        # The venv's interpreter may live in the real home (pyenv): show it, read-only.
-        base = Path(sys.base_prefix)
+        # Paths the hosts need that live under the masked /root or /tmp (pyenv's interpreter,
+        # a checkout cloned under /tmp as CI may do) stay visible, read-only, at their path.
+        private = {Path.home(): self.home, Path("/tmp"): workspace / "tmp"}
         mounts = ["ip link set lo up"]
-        if base.is_relative_to(Path.home()):
-            inside = self.home / base.relative_to(Path.home())
-            inside.mkdir(parents=True)
-            mounts += [f"mount --bind {base} {inside}", f"mount -o remount,bind,ro {inside}"]
+        for needed in (Path(sys.base_prefix), REPO):
+            for masked, replacement in private.items():
+                if needed.is_relative_to(masked) and not replacement.is_relative_to(needed):
+                    inside = replacement / needed.relative_to(masked)
+                    inside.mkdir(parents=True, exist_ok=True)
+                    mounts += [f"mount --bind {needed} {inside}", f"mount -o remount,bind,ro {inside}"]
+        # The hosts' shared home holds this checkout as ~/pdserve (what onprem.yaml's setup makes).
+        (self.home / "pdserve").mkdir()
+        mounts += [f"mount --bind {REPO} {self.home / 'pdserve'}", f"mount -o remount,bind,ro {self.home / 'pdserve'}"]
         mounts += [
             f"mount --rbind {self.home} /root",
-            f"mount --bind {workspace / 'tmp'} /tmp",
+            f"mount --rbind {workspace / 'tmp'} /tmp",
             "mount -t tmpfs tmpfs /run",  # sshd wants /run/sshd; keep it off the real /run
             "mkdir -m 755 /run/sshd",
         ]
@@ -275,9 +281,12 @@ def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
         (node / "tmp").mkdir(parents=True)
         (node / "sshd_config").write_text(SSHD_CONFIG.format(ip=ip))
         inside = f"/root/hosts/{ip}"
+        private_tmp = f"mount --bind {inside}/tmp /tmp"
+        if REPO.is_relative_to("/tmp"):  # the venv's scripts name their interpreter by this path
+            private_tmp += f" && mkdir -p {REPO} && mount --bind /root/pdserve {REPO}"
         box.spawn(
             "unshare --pid --fork --mount --mount-proc --propagation=private --kill-child "
-            f"sh -c 'mount --bind {inside}/tmp /tmp && exec /usr/sbin/sshd -D -e -f {inside}/sshd_config'",
+            f"sh -c '{private_tmp} && exec /usr/sbin/sshd -D -e -f {inside}/sshd_config'",
             f"sshd-{ip}.log",
         )
     probe = f"ssh -i {SSH_KEY} -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o BatchMode=yes"
@@ -304,8 +313,7 @@ def loopback_config() -> dict:
 
 
 def prepare_home(box: Sandbox, model_path: str) -> None:
-    """The hosts' shared /root: this checkout as ~/pdserve, ~/.bashrc, the model, the config."""
-    (box.home / "pdserve").symlink_to(REPO)
+    """The hosts' shared /root (this checkout is mounted as ~/pdserve): ~/.bashrc, the model, the config."""
     (box.home / ".bashrc").write_text(BASHRC)
     (box.home / "cpu-host").mkdir()
     (box.home / "cpu-host" / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
