@@ -3,7 +3,8 @@
 Prefill tokens/s from single-pass prefills at growing prompt lengths and batch sizes; decode
 tokens/s at batch 1 and growing batches until throughput stops scaling (the batch where
 decode turns compute-bound); transfer time against bytes from a real prefill -> NIXL ->
-decode pair. Prints the prefill/decode throughput ratio and the knee, and writes the probe
+decode pair, and the serving path's own share of time to first token, both from requests
+sent through gRPC as clients send them. Prints the prefill/decode throughput ratio and the knee, and writes the probe
 JSON the ratio tuner fits its performance model to.
 
     pdserve probe [--out bench/results/probe.json]     (or python -m bench.probe)
@@ -19,12 +20,15 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import grpc
 import ray
 
 from decode_worker.actor import DecodeActor
 from router.deployment import Deployment, DeploymentConfig
-from router.orchestrator import GenerationResult
+from proto.pdserve.v1 import generate_pb2 as pb
+from router.client import build_request, stream_generate
 from router.ray_cluster import start_local
+from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 from vllm_engine.requests import GenerateRequest, SamplingConfig
 
@@ -42,6 +46,7 @@ class ProbeConfig:
     decode_context: int = 256
     decode_steps: int = 48
     transfer_lengths: tuple[int, ...] = (256, 1024, 4096)
+    transfer_repeats: int = 2
 
 
 @dataclass(slots=True)
@@ -52,6 +57,9 @@ class ProbeResult:
     decode: list[dict] = field(default_factory=list)
     transfer: list[dict] = field(default_factory=list)
     layout: dict = field(default_factory=dict)
+    # Isolated requests through gRPC: client TTFT, and the part spent in the engines (prefill
+    # plus handoff); the difference is the serving path's own cost.
+    serving: list[dict] = field(default_factory=list)
 
     def prefill_tokens_per_s(self) -> float:
         return max(p["batch_tokens"] / p["seconds"] for p in self.prefill)
@@ -113,9 +121,26 @@ async def probe_decode(actor, config: ProbeConfig, result: ProbeResult) -> None:
             return  # throughput stopped scaling: past the knee
 
 
+async def _timed_generation(channel: grpc.aio.Channel, request: pb.GenerateRequest) -> tuple[float, pb.Timings]:
+    """Client-side time to first token, and the router's phase timings of the request."""
+    sent = time.perf_counter()
+    first = None
+    async for response in stream_generate(channel, request):
+        if first is None:
+            first = time.perf_counter() - sent
+        if response.HasField("final"):
+            return first, response.final.timings
+    raise RuntimeError("stream ended without a final message")
+
+
 async def probe_transfer(engine: EngineConfig, config: ProbeConfig, result: ProbeResult) -> None:
+    """Handoffs through the whole serving path, as clients use it (gRPC -> router -> prefill
+    actor -> NIXL -> decode actor): transfer time against bytes, and what the path adds to
+    time to first token beyond the engines' work (gRPC, routing, Ray hops)."""
     deployment = Deployment(DeploymentConfig(engine=engine))
     orchestrator = await deployment.start()
+    server = RouterServer(orchestrator, lambda text: [], engine.model)
+    await server.start()
     try:
         layout = await deployment.prefill.members[0].actor.state_layout.remote()
         result.layout = {
@@ -123,13 +148,21 @@ async def probe_transfer(engine: EngineConfig, config: ProbeConfig, result: Prob
             "deltanet_state_bytes_per_request": layout.deltanet_state_bytes_per_request,
         }
         step = result.decode[0]["step_seconds"] if result.decode else 0.0
-        for length in config.transfer_lengths:
-            request = GenerateRequest(f"t-{length}", _prompt(length, 7), SamplingConfig(max_tokens=1, ignore_eos=True))
-            final = [e async for e in orchestrator.generate(request) if isinstance(e, GenerationResult)][0]
-            t = final.timings
-            # The handoff includes decode's first step; what remains is the pull.
-            result.transfer.append({"bytes": t.transfer_bytes.total, "seconds": max(1e-6, t.transfer_s - step)})
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            for repeat in range(config.transfer_repeats):
+                for length in config.transfer_lengths:
+                    request = build_request(
+                        list(_prompt(length, 7 + repeat)), f"t-{length}-{repeat}", max_tokens=1, ignore_eos=True
+                    )
+                    client_ttft, t = await _timed_generation(channel, request)
+                    # The handoff includes decode's first step; what remains is the pull.
+                    num_bytes = t.attention_kv_bytes + t.deltanet_state_bytes
+                    result.transfer.append({"bytes": num_bytes, "seconds": max(1e-6, t.transfer_s - step)})
+                    result.serving.append(
+                        {"prompt_tokens": length, "client_ttft_s": client_ttft, "engine_s": t.prefill_s + t.transfer_s}
+                    )
     finally:
+        await server.stop(0)
         deployment.shutdown()
 
 
@@ -164,6 +197,9 @@ def report(result: ProbeResult) -> str:
         lines.append(
             "transfer: " + ", ".join(f"{t['bytes']:,} B in {t['seconds'] * 1e3:.1f} ms" for t in result.transfer)
         )
+    if result.serving:
+        overheads = [s["client_ttft_s"] - s["engine_s"] for s in result.serving]
+        lines.append(f"serving path (gRPC, router, Ray hops) adds {statistics.median(overheads) * 1e3:.1f} ms to TTFT")
     return "\n".join(lines)
 
 

@@ -44,7 +44,7 @@ import numpy as np
 import psutil
 
 from bench.loadgen import PROFILES, LoadConfig, RequestSpec, RunReport, percentile, synthetic_workload
-from bench.tuner.model import Layout, PerformanceModel, TransferCost, fit_decode, fit_prefill
+from bench.tuner.model import Layout, PerformanceModel, TransferCost, fit_decode, fit_prefill, fit_serving
 from bench.tuner.simulator import Placement, Timeline, Workload, simulate
 from vllm_engine.config import EngineConfig, resolve_model
 
@@ -210,6 +210,7 @@ def fit_model(probe: dict[str, Any]) -> tuple[PerformanceModel, str]:
         decode=fit_decode(probe["decode"]),
         transfer=TransferCost(median, 1e18),
         layout=Layout(**probe["layout"]),
+        serving_overhead_s=fit_serving(probe.get("serving", [])),
     )
     return model, f"transfer rows show no growth with bytes: flat {median * 1e3:.1f} ms (their median)"
 
@@ -230,6 +231,7 @@ def describe(model: PerformanceModel, prompt: int = 1000) -> str:
                 f"       transfer of a {prompt}-token request {model.transfer_seconds(prompt) * 1e3:.1f} ms "
                 f"({model.layout.transfer_bytes(prompt):,} B; rms error {model.transfer.rms_relative_error:.0%})"
             ),
+            f"       serving path (gRPC, router, Ray hops) {model.serving_overhead_s * 1e3:.1f} ms per request",
         ]
     )
 

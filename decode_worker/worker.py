@@ -20,7 +20,7 @@ from kv_transfer.connector_config import (
 )
 from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
-from kv_transfer.progress_thread import set_nixl_progress_thread
+from kv_transfer.progress_thread import configure_nixl_progress_thread
 from vllm_engine.config import EngineConfig
 from vllm_engine.loop import EngineLoop
 from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
@@ -49,7 +49,7 @@ class DecodeWorker(EngineWorker):
             if channel is None:
                 raise ValueError("a decode worker with KV transfer needs a NIXL side channel")
             self.engine_id = engine_id_for(Role.DECODE, name, channel)
-            set_nixl_progress_thread(transfer.nixl_progress_thread)
+            configure_nixl_progress_thread(transfer.nixl_progress_poll_us)
             self._loop = EngineLoop.start(
                 engine_config,
                 transfer.kv_transfer_config(Role.DECODE, self.engine_id),

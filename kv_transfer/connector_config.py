@@ -32,10 +32,12 @@ class TransferConfig:
     lease_s: int = 30
     # What decode does when it cannot load the blocks: fail the request, or prefill locally.
     load_failure_policy: Literal["fail", "recompute"] = "fail"
-    # NIXL's progress thread spins a full core (delay 0). On GPU nodes with spare cores it
-    # helps RDMA progress; on small CPU boxes it halves engine throughput, so off there:
-    # vLLM polls transfer state every engine step anyway.
-    nixl_progress_thread: bool = False
+    # NIXL's progress thread: None = none (only the engine step drives transfers, so a pull
+    # waits behind the producer's running prefill); 0 = NIXL's default, a thread spinning a
+    # full core; N = a thread asleep in poll() on UCX's event fds, waking on traffic or every
+    # N us (>= 1000; waking on traffic works here, so the timeout is only a fallback).
+    # See kv_transfer.progress_thread.
+    nixl_progress_poll_us: int | None = 10_000
     backends: tuple[str, ...] = ("UCX",)
     # Decode refuses a handle with less lease than this left: its blocks could be freed mid-read.
     handle_margin_s: float = 1.0
@@ -47,6 +49,10 @@ class TransferConfig:
 
     def process_env(self) -> dict[str, str]:
         return {"UCX_TLS": self.ucx_transports} if self.ucx_transports else {}
+
+    def __post_init__(self) -> None:
+        if self.nixl_progress_poll_us is not None and 0 < self.nixl_progress_poll_us < 1000:
+            raise ValueError("nixl_progress_poll_us: None, 0 (spin) or >= 1000 (NIXL's poll timeout is whole ms)")
 
     def kv_transfer_config(self, role: Role, engine_id: str) -> Any:
         from vllm.config import KVTransferConfig

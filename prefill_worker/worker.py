@@ -22,7 +22,7 @@ from kv_transfer.connector_config import (
 from kv_transfer.handle import TransferHandle
 from kv_transfer.layout import StateLayout
 from kv_transfer.metrics import LEASES_GRANTED, TransferStatLogger
-from kv_transfer.progress_thread import set_nixl_progress_thread
+from kv_transfer.progress_thread import configure_nixl_progress_thread
 from vllm_engine.config import EngineConfig
 from vllm_engine.loop import EngineLoop
 from vllm_engine.requests import GenerateRequest, ModelLimits
@@ -51,7 +51,7 @@ class PrefillWorker(EngineWorker):
         self.name = name
         self.engine_id = engine_id_for(Role.PREFILL, name, channel)
         self._transfer = transfer
-        set_nixl_progress_thread(transfer.nixl_progress_thread)
+        configure_nixl_progress_thread(transfer.nixl_progress_poll_us)
         self._loop = EngineLoop.start(
             engine_config,
             transfer.kv_transfer_config(Role.PREFILL, self.engine_id),

@@ -97,7 +97,7 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
     config = DeploymentConfig(
         # Unresolved: "embedded" is built on each node, so nodes need no shared filesystem.
         engine=EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs),
-        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease, nixl_progress_thread=gpu),
+        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease),
         num_prefill=num_prefill,
         num_decode=num_decode,
         gpus_per_engine=1.0 if gpu else 0.0,

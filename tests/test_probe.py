@@ -24,6 +24,7 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
         decode_batches=(1, 4),
         decode_steps=24,
         transfer_lengths=(128, 1024),
+        transfer_repeats=1,
     )
     result = run(run_probe(config))
     assert len(result.prefill) == 4 and all(p["seconds"] > 0 for p in result.prefill)
@@ -33,6 +34,9 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
     assert result.prefill_tokens_per_s() > result.decode_tokens_per_s(1)
     assert result.transfer[0]["bytes"] < result.transfer[1]["bytes"]
     assert result.layout["deltanet_state_bytes_per_request"] > 0
+    # Sent through gRPC: the client waits for the engines' work and then some (the path's cost).
+    assert [s["prompt_tokens"] for s in result.serving] == [128, 1024]
+    assert all(s["client_ttft_s"] > s["engine_s"] > 0 for s in result.serving)
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(asdict(result)))
-    assert set(json.loads(path.read_text())) == {"hardware", "model", "prefill", "decode", "transfer", "layout"}
+    assert set(json.loads(path.read_text())) == {"hardware", "model", "prefill", "decode", "transfer", "layout", "serving"}

@@ -45,6 +45,11 @@ PROBE_EXAMPLE = {
         {"bytes": 1_000_000_000, "seconds": 0.041},
     ],
     "layout": {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064},
+    "serving": [
+        {"prompt_tokens": 2048, "client_ttft_s": 0.660, "engine_s": 0.652},
+        {"prompt_tokens": 8192, "client_ttft_s": 2.700, "engine_s": 2.690},
+        {"prompt_tokens": 8192, "client_ttft_s": 2.900, "engine_s": 2.690},  # one stalled request
+    ],
 }
 
 # Round numbers for hand-checked timelines: prefill 1 ms per token, decode 100 ms per step,
@@ -131,6 +136,7 @@ def test_probe_example_fits_and_round_trips(tmp_path: Path) -> None:
     assert 24 <= model.decode.knee <= 40  # flat to ~32, then linear in the batch
     assert model.prefill.seconds(2048, 2048**2) == pytest.approx(0.63, rel=0.05)
     assert model.transfer.bytes_per_s == pytest.approx(2.5e10, rel=0.1)
+    assert model.serving_overhead_s == pytest.approx(0.010)  # the median: the stall is not the path's cost
     saved = tmp_path / "model.json"
     model.save(saved)
     assert PerformanceModel.load(saved) == model
@@ -186,6 +192,18 @@ def test_disaggregated_decode_makes_the_first_token() -> None:
     assert timeline.first_token == pytest.approx([1.1, 2.55])
     assert timeline.last_token == pytest.approx([2.1, 2.65])
     assert timeline.tpot == pytest.approx([0.1, 0.1])
+
+
+def test_serving_overhead_delays_what_the_client_sees_but_no_engine() -> None:
+    """The path's fixed cost adds to TTFT and end-to-end time, not to inter-token times, and
+    it does not hold an engine: B's prefill still starts when A's ends."""
+    workload = _two_requests()
+    plain = simulate(TOY, Placement(1, 1), workload, workload.native_rate)
+    timeline = simulate(replace(TOY, serving_overhead_s=0.02), Placement(1, 1), workload, workload.native_rate)
+    assert timeline.ttft == pytest.approx(plain.ttft + 0.02)
+    assert timeline.e2e == pytest.approx(plain.e2e + 0.02)
+    assert timeline.tpot == pytest.approx(plain.tpot)
+    assert timeline.prefill_start == pytest.approx(plain.prefill_start)
 
 
 def test_decode_batch_limit_queues_the_rest() -> None:

@@ -6,11 +6,14 @@ A probe (run on the real hardware) writes one JSON file:
      "prefill":  [{"prompt_tokens": 2048, "batch_tokens": 8192, "seconds": 2.5}, ...],
      "decode":   [{"batch_size": 32, "context_tokens": 2000, "step_seconds": 0.0093}, ...],
      "transfer": [{"bytes": 285000000, "seconds": 0.012}, ...],
-     "layout":   {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064}}
+     "layout":   {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064},
+     "serving":  [{"prompt_tokens": 1024, "client_ttft_s": 0.52, "engine_s": 0.50}, ...]}
 
 Prefill rows: one pass over a batch of `batch_tokens` prompt tokens whose longest prompt has
 `prompt_tokens`. Decode rows: one step of `batch_size` sequences whose mean context is
-`context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`.
+`context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`. Serving rows
+(optional): one isolated request sent through gRPC, its client-side time to first token and
+the part of it the engines spent (prefill plus handoff).
 
 Three fits, all least squares with non-negative coefficients:
 - prefill:  seconds = fixed + per_token x T + per_pair x S, T the batch's tokens and S the
@@ -23,6 +26,9 @@ Three fits, all least squares with non-negative coefficients:
   flat); past it the matmuls saturate the tensor cores and each sequence adds compute time.
   The knee is found by search: the fit with the least squared error over candidate knees.
 - transfer: seconds = latency + bytes / bytes_per_s.
+- serving path: the median of client_ttft - engine_s, a fixed cost per request (gRPC,
+  routing, Ray hops) that delays what the client sees but occupies no engine; 0 when the
+  probe has no serving rows.
 
 The fitted model saves to / loads from JSON, so it is fitted where the probe ran and used
 anywhere (the simulator needs no GPU).
@@ -110,6 +116,7 @@ class PerformanceModel:
     decode: DecodeCost
     transfer: TransferCost
     layout: Layout
+    serving_overhead_s: float = 0.0  # per request, outside the engines (gRPC, router, Ray)
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
@@ -123,6 +130,7 @@ class PerformanceModel:
             decode=fit_decode(probe["decode"]),
             transfer=fit_transfer(probe["transfer"]),
             layout=Layout(**probe["layout"]),
+            serving_overhead_s=fit_serving(probe.get("serving", [])),
         )
 
     @classmethod
@@ -160,6 +168,7 @@ class PerformanceModel:
             decode=DecodeCost(**data["decode"]),
             transfer=TransferCost(**data["transfer"]),
             layout=Layout(**data["layout"]),
+            serving_overhead_s=data.get("serving_overhead_s", 0.0),  # models saved before it existed
         )
 
     def save(self, path: Path) -> None:
@@ -258,3 +267,10 @@ def fit_transfer(rows: list[dict[str, Any]]) -> TransferCost:
     if per_byte <= 0:
         raise ValueError("transfer rows show no growth with bytes: probe a wider range of sizes")
     return TransferCost(latency, 1 / per_byte, _relative_rms(features, np.array([latency, per_byte]), seconds))
+
+
+def fit_serving(rows: list[dict[str, Any]]) -> float:
+    """Median, not mean: one request stalled by something else on the host is not the path's cost."""
+    if not rows:
+        return 0.0
+    return max(0.0, float(np.median([row["client_ttft_s"] - row["engine_s"] for row in rows])))

@@ -17,6 +17,10 @@ running + waiting requests. At a step boundary waiting prompts are prefilled fir
 priority; the running decodes stall meanwhile) while there is room under the batch limit;
 the prefill samples the first token.
 
+The serving path's fixed cost (model.serving_overhead_s: gRPC, routing, Ray hops) delays
+every token the client sees by the same amount; it occupies no engine, so it adds to TTFT
+and end-to-end time and leaves inter-token times alone.
+
 Time only moves forward per instance: each instance advances lazily to the time of the next
 request routed anywhere (no global event queue), so a decode step costs a few Python
 operations and no heap traffic.
@@ -232,12 +236,12 @@ class _Requests:
         self.first = [0.0] * count
         self.last = [0.0] * count
 
-    def timeline(self, decode_pool: Sequence[_DecodeInstance]) -> Timeline:
+    def timeline(self, decode_pool: Sequence[_DecodeInstance], serving_overhead_s: float) -> Timeline:
         return Timeline(
             np.array(self.arrival),
             np.array(self.prefill_start),
-            np.array(self.first),
-            np.array(self.last),
+            np.array(self.first) + serving_overhead_s,
+            np.array(self.last) + serving_overhead_s,
             np.array(self.output),
             max(instance.peak_batch for instance in decode_pool),
         )
@@ -391,10 +395,10 @@ def simulate(model: PerformanceModel, placement: Placement, workload: Workload, 
     if placement.colocated:
         pool = [_ColocatedInstance(requests, model, placement) for _ in range(placement.decode)]
         _dispatch(pool, arrivals, requests.arrival)
-        return requests.timeline(pool)
+        return requests.timeline(pool, model.serving_overhead_s)
     prefill_pool = [_PrefillInstance(requests, model, placement) for _ in range(placement.prefill)]
     _dispatch(prefill_pool, arrivals, requests.arrival)
     ready = [end + model.transfer_seconds(p) for end, p in zip(requests.prefill_end, requests.prompt)]
     decode_pool = [_DecodeInstance(requests, model, placement) for _ in range(placement.decode)]
     _dispatch(decode_pool, sorted(arrivals, key=ready.__getitem__), ready)
-    return requests.timeline(decode_pool)
+    return requests.timeline(decode_pool, model.serving_overhead_s)
