@@ -7,9 +7,11 @@ import asyncio
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
+import ray
 from conftest import assert_no_blocks_held, run
 from reference import (
     MAX_TOKENS,
@@ -44,6 +46,19 @@ def test_every_pair_is_handshaken_before_traffic(deployment):
     _, orchestrator = deployment
     assert set(orchestrator.handshakes) == {("prefill-0", "decode-0")}
     assert all(m.alive for m in orchestrator.prefill.members + orchestrator.decode.members)
+
+
+def test_each_engine_keeps_to_its_own_core(deployment):
+    """NixlConnector moves its thread to the host's last core; pdserve moves the engine back,
+    so the prefill and decode engines run on different cores (one each, handed out in turn)."""
+    dep, _ = deployment
+    members = dep.prefill.members + dep.decode.members
+    pids = ray.get([m.actor.__ray_call__.remote(lambda _actor: os.getpid()) for m in members])
+    cores = [dep.config.engine_for(i).cpu_cores for i in range(len(members))]
+    assert len(set(cores)) == min(len(members), len(os.sched_getaffinity(0)))
+    for pid, core in zip(pids, cores):
+        threads = os.listdir(f"/proc/{pid}/task")
+        assert threads and all(os.sched_getaffinity(int(tid)) == {int(core)} for tid in threads), (pid, core)
 
 
 def test_reference_outputs_differ_per_prompt(reference):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from vllm_engine.config import EngineConfig, apply_process_env
+from vllm_engine.cpu_affinity import confine_threads, parse_cores
 from vllm_engine.requests import ModelLimits
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class EngineLoop:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(config.engine_args(kv_transfer_config), stat_loggers=stat_loggers)
+        if config.cpu_cores is not None:
+            confine_threads(parse_cores(config.cpu_cores))  # undo NixlConnector's re-pinning
         return cls(engine, on_fatal)
 
     @property
