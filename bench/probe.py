@@ -24,9 +24,9 @@ import grpc
 import ray
 
 from decode_worker.actor import DecodeActor
-from router.deployment import Deployment, DeploymentConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
+from router.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model

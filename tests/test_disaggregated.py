@@ -194,4 +194,3 @@ def test_expired_handle_is_refused_and_lease_frees_blocks(deployment):
     with pytest.raises(HandleExpiredError, match="expired"):
         run(decode_tokens(decode, make_request("long", "expire-dst"), handle))
     assert_no_blocks_held(dep)
-

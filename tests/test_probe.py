@@ -39,4 +39,12 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
     assert all(s["client_ttft_s"] > s["engine_s"] > 0 for s in result.serving)
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(asdict(result)))
-    assert set(json.loads(path.read_text())) == {"hardware", "model", "prefill", "decode", "transfer", "layout", "serving"}
+    assert set(json.loads(path.read_text())) == {
+        "hardware",
+        "model",
+        "prefill",
+        "decode",
+        "transfer",
+        "layout",
+        "serving",
+    }
