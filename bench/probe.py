@@ -1,11 +1,12 @@
 """Cluster probe: measure prefill and decode apart on this hardware (the seeds' measurement).
 
-Prefill tokens/s from single-pass prefills at growing prompt lengths and batch sizes; decode
-tokens/s at batch 1 and growing batches until throughput stops scaling (the batch where
-decode turns compute-bound); transfer time against bytes from a real prefill -> NIXL ->
-decode pair, and the serving path's own share of time to first token, both from requests
-sent through gRPC as clients send them. Prints the prefill/decode throughput ratio and the knee, and writes the probe
-JSON the ratio tuner fits its performance model to.
+Prefill tokens/s from single-pass prefills at growing prompt lengths and batch sizes, on the
+engine itself; decode tokens/s at batch 1 and growing batches until throughput stops scaling
+(the batch where decode turns compute-bound), from streams timed where gRPC clients receive
+them; transfer time against bytes and the serving path's own share of time to first token,
+from requests sent through gRPC to a real prefill -> NIXL -> decode pair. Prints the
+prefill/decode throughput ratio and the knee, and writes the probe JSON the ratio tuner fits
+its performance model to.
 
     pdserve probe [--out bench/results/probe.json]     (or python -m bench.probe)
 """
@@ -14,16 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
 import ray
 
-from decode_worker.actor import DecodeActor
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
 from router.deployment import Deployment, DeploymentConfig
@@ -88,11 +90,11 @@ async def _ttft(actor, request: GenerateRequest) -> float:
     raise RuntimeError("no output")
 
 
-async def _token_times(actor, request: GenerateRequest) -> list[float]:
-    times = []
-    async for ref in actor.generate.remote(request):
-        chunk = await ref
-        times.extend([chunk.produced_at] * len(chunk.token_ids))
+async def _token_arrivals(channel: grpc.aio.Channel, request: pb.GenerateRequest) -> list[float]:
+    times: list[float] = []
+    async for response in stream_generate(channel, request):
+        if response.HasField("chunk"):
+            times.extend([time.perf_counter()] * len(response.chunk.token_ids))
     return times
 
 
@@ -106,16 +108,25 @@ async def probe_prefill(actor, config: ProbeConfig, result: ProbeResult) -> None
             result.prefill.append({"prompt_tokens": length, "batch_tokens": length * batch, "seconds": seconds})
 
 
-async def probe_decode(actor, config: ProbeConfig, result: ProbeResult) -> None:
-    sampling = SamplingConfig(max_tokens=config.decode_steps, ignore_eos=True)
+async def probe_decode(channel: grpc.aio.Channel, config: ProbeConfig, result: ProbeResult) -> None:
+    """Batches of streams through gRPC, timed where clients see the tokens: on a host whose
+    cores also run the router, streaming the tokens costs the engines time too."""
     for batch in config.decode_batches:
-        requests = [GenerateRequest(f"d-{batch}-{i}", _prompt(config.decode_context, i), sampling) for i in range(batch)]
-        streams = await asyncio.gather(*(_token_times(actor, r) for r in requests))
-        # Steady-state step time: skip the first tokens, where prefills of the batch land.
-        gaps = [b - a for times in streams for a, b in zip(times[8:], times[9:])]
-        step = statistics.median(gaps)
+        prompts = [list(_prompt(config.decode_context, i)) for i in range(batch)]
+        requests = [
+            build_request(p, f"d-{batch}-{i}", max_tokens=config.decode_steps, ignore_eos=True)
+            for i, p in enumerate(prompts)
+        ]
+        streams = await asyncio.gather(*(_token_arrivals(channel, r) for r in requests))
+        # Steady state: skip the first tokens, where prefills of the batch land. A stream's
+        # mean gap, not each gap: chunks may carry several tokens when the client lags.
+        step = statistics.median((times[-1] - times[8]) / (len(times) - 9) for times in streams)
         result.decode.append(
-            {"batch_size": batch, "context_tokens": config.decode_context + config.decode_steps // 2, "step_seconds": step}
+            {
+                "batch_size": batch,
+                "context_tokens": config.decode_context + config.decode_steps // 2,
+                "step_seconds": step,
+            }
         )
         if len(result.decode) >= 2 and result.decode_knee() < batch:
             return  # throughput stopped scaling: past the knee
@@ -133,37 +144,39 @@ async def _timed_generation(channel: grpc.aio.Channel, request: pb.GenerateReque
     raise RuntimeError("stream ended without a final message")
 
 
-async def probe_transfer(engine: EngineConfig, config: ProbeConfig, result: ProbeResult) -> None:
+@contextlib.asynccontextmanager
+async def _served(config: DeploymentConfig) -> AsyncIterator[tuple[Deployment, grpc.aio.Channel]]:
+    """A deployment behind a gRPC router server, and a client channel to it."""
+    deployment = Deployment(config)
+    try:
+        server = RouterServer(await deployment.start(), lambda text: [], config.engine.model)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(server.address) as channel:
+                yield deployment, channel
+        finally:
+            await server.stop(0)
+    finally:
+        deployment.shutdown()
+
+
+async def probe_transfer(channel: grpc.aio.Channel, config: ProbeConfig, result: ProbeResult) -> None:
     """Handoffs through the whole serving path, as clients use it (gRPC -> router -> prefill
     actor -> NIXL -> decode actor): transfer time against bytes, and what the path adds to
     time to first token beyond the engines' work (gRPC, routing, Ray hops)."""
-    deployment = Deployment(DeploymentConfig(engine=engine))
-    orchestrator = await deployment.start()
-    server = RouterServer(orchestrator, lambda text: [], engine.model)
-    await server.start()
-    try:
-        layout = await deployment.prefill.members[0].actor.state_layout.remote()
-        result.layout = {
-            "attention_kv_bytes_per_token": layout.attention_kv_bytes_per_token,
-            "deltanet_state_bytes_per_request": layout.deltanet_state_bytes_per_request,
-        }
-        step = result.decode[0]["step_seconds"] if result.decode else 0.0
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            for repeat in range(config.transfer_repeats):
-                for length in config.transfer_lengths:
-                    request = build_request(
-                        list(_prompt(length, 7 + repeat)), f"t-{length}-{repeat}", max_tokens=1, ignore_eos=True
-                    )
-                    client_ttft, t = await _timed_generation(channel, request)
-                    # The handoff includes decode's first step; what remains is the pull.
-                    num_bytes = t.attention_kv_bytes + t.deltanet_state_bytes
-                    result.transfer.append({"bytes": num_bytes, "seconds": max(1e-6, t.transfer_s - step)})
-                    result.serving.append(
-                        {"prompt_tokens": length, "client_ttft_s": client_ttft, "engine_s": t.prefill_s + t.transfer_s}
-                    )
-    finally:
-        await server.stop(0)
-        deployment.shutdown()
+    step = result.decode[0]["step_seconds"] if result.decode else 0.0
+    for repeat in range(config.transfer_repeats):
+        for length in config.transfer_lengths:
+            request = build_request(
+                list(_prompt(length, 7 + repeat)), f"t-{length}-{repeat}", max_tokens=1, ignore_eos=True
+            )
+            client_ttft, t = await _timed_generation(channel, request)
+            # The handoff includes decode's first step; what remains is the pull.
+            num_bytes = t.attention_kv_bytes + t.deltanet_state_bytes
+            result.transfer.append({"bytes": num_bytes, "seconds": max(1e-6, t.transfer_s - step)})
+            result.serving.append(
+                {"prompt_tokens": length, "client_ttft_s": client_ttft, "engine_s": t.prefill_s + t.transfer_s}
+            )
 
 
 async def run_probe(config: ProbeConfig) -> ProbeResult:
@@ -171,15 +184,18 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
 
     engine = EngineConfig(model=resolve_model(config.model))
     result = ProbeResult(hardware=f"{platform.machine()} {platform.processor() or 'cpu'}", model=engine.model)
-    # Large enough batches to find the knee; one engine on one core, as in a deployment.
-    colocated = DecodeActor.remote("probe", replace(engine, max_num_seqs=max(config.decode_batches)).with_cores("1"), None)
-    try:
-        await colocated.ready.remote()
-        await probe_prefill(colocated, config, result)
-        await probe_decode(colocated, config, result)
-    finally:
-        ray.kill(colocated, no_restart=True)
-    await probe_transfer(engine, config, result)
+    # One colocated engine, large enough batches to find the knee, on one core as deployed.
+    colocated = DeploymentConfig(engine=replace(engine, max_num_seqs=max(config.decode_batches)), num_prefill=0)
+    async with _served(colocated) as (deployment, channel):
+        await probe_prefill(deployment.decode.members[0].actor, config, result)
+        await probe_decode(channel, config, result)
+    async with _served(DeploymentConfig(engine=engine)) as (deployment, channel):
+        layout = await deployment.prefill.members[0].actor.state_layout.remote()
+        result.layout = {
+            "attention_kv_bytes_per_token": layout.attention_kv_bytes_per_token,
+            "deltanet_state_bytes_per_request": layout.deltanet_state_bytes_per_request,
+        }
+        await probe_transfer(channel, config, result)
     return result
 
 
