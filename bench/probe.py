@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +25,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
+import psutil
 import ray
 
 from proto.pdserve.v1 import generate_pb2 as pb
@@ -62,6 +64,8 @@ class ProbeResult:
     # Isolated requests through gRPC: client TTFT, and the part spent in the engines (prefill
     # plus handoff); the difference is the serving path's own cost.
     serving: list[dict] = field(default_factory=list)
+    # CPU engines only: busy cores outside the engines against tokens streamed per second.
+    host_cpu: dict | None = None
 
     def prefill_tokens_per_s(self) -> float:
         return max(p["batch_tokens"] / p["seconds"] for p in self.prefill)
@@ -108,16 +112,36 @@ async def probe_prefill(actor, config: ProbeConfig, result: ProbeResult) -> None
             result.prefill.append({"prompt_tokens": length, "batch_tokens": length * batch, "seconds": seconds})
 
 
-async def probe_decode(channel: grpc.aio.Channel, config: ProbeConfig, result: ProbeResult) -> None:
-    """Batches of streams through gRPC, timed where clients see the tokens: on a host whose
-    cores also run the router, streaming the tokens costs the engines time too."""
+def _busy_cpu_s(engine_pids: list[int]) -> float:
+    """CPU seconds the whole host has been busy, less what the engine processes used."""
+    host = psutil.cpu_times()
+    busy = host.user + host.nice + host.system + getattr(host, "irq", 0.0) + getattr(host, "softirq", 0.0)
+    engines = sum(sum(psutil.Process(pid).cpu_times()[:2]) for pid in engine_pids)
+    return busy - engines
+
+
+async def probe_decode(
+    channel: grpc.aio.Channel, engine_pids: list[int], config: ProbeConfig, result: ProbeResult
+) -> None:
+    """Batches of streams through gRPC, timed where clients see the tokens. Also how many
+    cores the rest of the host (router, gRPC, Ray, this client) keeps busy meanwhile: on CPU
+    serving that is time the engines' cores lose."""
     for batch in config.decode_batches:
         prompts = [list(_prompt(config.decode_context, i)) for i in range(batch)]
         requests = [
             build_request(p, f"d-{batch}-{i}", max_tokens=config.decode_steps, ignore_eos=True)
             for i, p in enumerate(prompts)
         ]
+        started, busy_before = time.perf_counter(), _busy_cpu_s(engine_pids)
         streams = await asyncio.gather(*(_token_arrivals(channel, r) for r in requests))
+        wall = time.perf_counter() - started
+        if result.host_cpu is not None:
+            result.host_cpu["rows"].append(
+                {
+                    "tokens_per_s": sum(len(times) for times in streams) / wall,
+                    "busy_cores": max(1e-6, (_busy_cpu_s(engine_pids) - busy_before) / wall),
+                }
+            )
         # Steady state: skip the first tokens, where prefills of the batch land. A stream's
         # mean gap, not each gap: chunks may carry several tokens when the client lags.
         step = statistics.median((times[-1] - times[8]) / (len(times) - 9) for times in streams)
@@ -187,8 +211,11 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
     # One colocated engine, large enough batches to find the knee, on one core as deployed.
     colocated = DeploymentConfig(engine=replace(engine, max_num_seqs=max(config.decode_batches)), num_prefill=0)
     async with _served(colocated) as (deployment, channel):
-        await probe_prefill(deployment.decode.members[0].actor, config, result)
-        await probe_decode(channel, config, result)
+        actor = deployment.decode.members[0].actor
+        if colocated.cpu_cores and not colocated.gpus_per_engine:  # engines share the host's cores
+            result.host_cpu = {"engine_cores": len(colocated.cpu_cores), "rows": []}
+        await probe_prefill(actor, config, result)
+        await probe_decode(channel, [await actor.__ray_call__.remote(lambda _actor: os.getpid())], config, result)
     async with _served(DeploymentConfig(engine=engine)) as (deployment, channel):
         layout = await deployment.prefill.members[0].actor.state_layout.remote()
         result.layout = {
@@ -212,6 +239,12 @@ def report(result: ProbeResult) -> str:
     if result.transfer:
         lines.append(
             "transfer: " + ", ".join(f"{t['bytes']:,} B in {t['seconds'] * 1e3:.1f} ms" for t in result.transfer)
+        )
+    if result.host_cpu:
+        rows = result.host_cpu["rows"]
+        lines.append(
+            "outside the engines the host kept busy: "
+            + ", ".join(f"{r['busy_cores']:.2f} cores at {r['tokens_per_s']:,.0f} tok/s" for r in rows)
         )
     if result.serving:
         overheads = [s["client_ttft_s"] - s["engine_s"] for s in result.serving]

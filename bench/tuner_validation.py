@@ -44,7 +44,7 @@ import numpy as np
 import psutil
 
 from bench.loadgen import PROFILES, LoadConfig, RequestSpec, RunReport, percentile, synthetic_workload
-from bench.tuner.model import Layout, PerformanceModel, TransferCost, fit_decode, fit_prefill, fit_serving
+from bench.tuner.model import Layout, PerformanceModel, TransferCost, fit_decode, fit_host, fit_prefill, fit_serving
 from bench.tuner.simulator import Placement, Timeline, Workload, simulate
 from vllm_engine.config import EngineConfig, resolve_model
 
@@ -211,6 +211,7 @@ def fit_model(probe: dict[str, Any]) -> tuple[PerformanceModel, str]:
         transfer=TransferCost(median, 1e18),
         layout=Layout(**probe["layout"]),
         serving_overhead_s=fit_serving(probe.get("serving", [])),
+        host=fit_host(probe.get("host_cpu")),
     )
     return model, f"transfer rows show no growth with bytes: flat {median * 1e3:.1f} ms (their median)"
 
@@ -232,6 +233,15 @@ def describe(model: PerformanceModel, prompt: int = 1000) -> str:
                 f"({model.layout.transfer_bytes(prompt):,} B; rms error {model.transfer.rms_relative_error:.0%})"
             ),
             f"       serving path (gRPC, router, Ray hops) {model.serving_overhead_s * 1e3:.1f} ms per request",
+            (
+                "       host: engines have their cores to themselves"
+                if model.host is None
+                else (
+                    f"       host: {model.host.background_cores:.2f} cores busy outside the engines + "
+                    f"{model.host.cpu_s_per_token * 1e3:.2f} ms CPU per streamed token, over {model.host.cores} "
+                    f"engine cores (x{model.host.slowdown(100):.2f} at 100 tok/s)"
+                )
+            ),
         ]
     )
 

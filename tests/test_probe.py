@@ -37,6 +37,9 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
     # Sent through gRPC: the client waits for the engines' work and then some (the path's cost).
     assert [s["prompt_tokens"] for s in result.serving] == [128, 1024]
     assert all(s["client_ttft_s"] > s["engine_s"] > 0 for s in result.serving)
+    # CPU engines: the rest of the host's busy time was measured while tokens streamed.
+    assert result.host_cpu["engine_cores"] == 2
+    assert [r["tokens_per_s"] > 0 and r["busy_cores"] > 0 for r in result.host_cpu["rows"]] == [True, True]
     path = tmp_path / "probe.json"
     path.write_text(json.dumps(asdict(result)))
     assert set(json.loads(path.read_text())) == {
@@ -47,4 +50,5 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
         "transfer",
         "layout",
         "serving",
+        "host_cpu",
     }

@@ -13,10 +13,12 @@ import pytest
 from bench.tuner.cli import main
 from bench.tuner.model import (
     DecodeCost,
+    HostContention,
     Layout,
     PerformanceModel,
     PrefillCost,
     TransferCost,
+    fit_host,
     load_probe,
 )
 from bench.tuner.search import SearchSpace, max_goodput, search
@@ -204,6 +206,26 @@ def test_serving_overhead_delays_what_the_client_sees_but_no_engine() -> None:
     assert timeline.e2e == pytest.approx(plain.e2e + 0.02)
     assert timeline.tpot == pytest.approx(plain.tpot)
     assert timeline.prefill_start == pytest.approx(plain.prefill_start)
+
+
+def test_host_contention_fit_and_slowdown() -> None:
+    rows = [{"tokens_per_s": t, "busy_cores": 0.1 + 0.002 * t} for t in (50.0, 150.0, 400.0)]
+    host = fit_host({"engine_cores": 2, "rows": rows})
+    assert host.cores == 2
+    assert (host.background_cores, host.cpu_s_per_token) == pytest.approx((0.1, 0.002))
+    assert host.slowdown(200) == pytest.approx(1 / (1 - 0.5 / 2))  # 0.5 busy cores of 2
+    assert fit_host(None) is None  # GPU probes: engines do not share cores with the stack
+
+
+def test_host_contention_stretches_engine_time_only() -> None:
+    """At 1 req/s of 11-token answers the stack burns 0.5 of 1 core: every prefill and decode
+    step takes twice as long, and nothing else changes."""
+    workload = Workload.trace([(0.0, 1000, 11), (1.0, 1000, 11)])
+    contended = replace(TOY, host=HostContention(1, 0.0, 0.5 / 11))
+    plain = simulate(TOY, Placement(1, 1), workload, 1.0)
+    slow = simulate(contended, Placement(1, 1), workload, 1.0)
+    assert slow.ttft == pytest.approx(2 * plain.ttft)
+    assert slow.tpot == pytest.approx(2 * plain.tpot)
 
 
 def test_decode_batch_limit_queues_the_rest() -> None:

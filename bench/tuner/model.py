@@ -7,13 +7,17 @@ A probe (run on the real hardware) writes one JSON file:
      "decode":   [{"batch_size": 32, "context_tokens": 2000, "step_seconds": 0.0093}, ...],
      "transfer": [{"bytes": 285000000, "seconds": 0.012}, ...],
      "layout":   {"attention_kv_bytes_per_token": 65536, "deltanet_state_bytes_per_request": 153944064},
-     "serving":  [{"prompt_tokens": 1024, "client_ttft_s": 0.52, "engine_s": 0.50}, ...]}
+     "serving":  [{"prompt_tokens": 1024, "client_ttft_s": 0.52, "engine_s": 0.50}, ...],
+     "host_cpu": {"engine_cores": 2, "rows": [{"tokens_per_s": 140.0, "busy_cores": 0.2}, ...]}}
 
 Prefill rows: one pass over a batch of `batch_tokens` prompt tokens whose longest prompt has
 `prompt_tokens`. Decode rows: one step of `batch_size` sequences whose mean context is
 `context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`. Serving rows
 (optional): one isolated request sent through gRPC, its client-side time to first token and
-the part of it the engines spent (prefill plus handoff).
+the part of it the engines spent (prefill plus handoff). Host CPU rows (optional, CPU
+engines only): while decode streams run, how many cores the host kept busy outside the engine
+processes, against the tokens streamed per second; `engine_cores` is how many cores the
+engines are pinned to.
 
 Three fits, all least squares with non-negative coefficients:
 - prefill:  seconds = fixed + per_token x T + per_pair x S, T the batch's tokens and S the
@@ -29,6 +33,8 @@ Three fits, all least squares with non-negative coefficients:
 - serving path: the median of client_ttft - engine_s, a fixed cost per request (gRPC,
   routing, Ray hops) that delays what the client sees but occupies no engine; 0 when the
   probe has no serving rows.
+- host contention (CPU engines): busy cores outside the engines = background + CPU per
+  token x tokens/s; engines then run 1 / (1 - that / engine cores) slower.
 
 The fitted model saves to / loads from JSON, so it is fitted where the probe ran and used
 anywhere (the simulator needs no GPU).
@@ -100,6 +106,22 @@ class TransferCost:
 
 
 @dataclass(frozen=True, slots=True)
+class HostContention:
+    """CPU serving only: engines share the host's cores with the serving stack (router, gRPC,
+    Ray, clients on the box). What that stack burns, a fixed part plus a part per streamed
+    token, is time the engines' cores lose, so every engine action runs slower by
+    1 / (1 - demand / cores). GPU engines do not lose accelerator time to it: no contention."""
+
+    cores: int
+    background_cores: float  # busy cores outside the engines with nothing streaming
+    cpu_s_per_token: float  # CPU seconds outside the engines per streamed token
+
+    def slowdown(self, tokens_per_s: float) -> float:
+        demand = (self.background_cores + self.cpu_s_per_token * tokens_per_s) / self.cores
+        return 1 / (1 - min(demand, 0.9))  # capped: past it the host is simply overloaded
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     attention_kv_bytes_per_token: int
     deltanet_state_bytes_per_request: int
@@ -117,6 +139,7 @@ class PerformanceModel:
     transfer: TransferCost
     layout: Layout
     serving_overhead_s: float = 0.0  # per request, outside the engines (gRPC, router, Ray)
+    host: HostContention | None = None  # CPU engines sharing cores with the serving stack
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
@@ -131,6 +154,7 @@ class PerformanceModel:
             transfer=fit_transfer(probe["transfer"]),
             layout=Layout(**probe["layout"]),
             serving_overhead_s=fit_serving(probe.get("serving", [])),
+            host=fit_host(probe.get("host_cpu")),
         )
 
     @classmethod
@@ -168,7 +192,9 @@ class PerformanceModel:
             decode=DecodeCost(**data["decode"]),
             transfer=TransferCost(**data["transfer"]),
             layout=Layout(**data["layout"]),
-            serving_overhead_s=data.get("serving_overhead_s", 0.0),  # models saved before it existed
+            # Models saved before these existed have neither.
+            serving_overhead_s=data.get("serving_overhead_s", 0.0),
+            host=HostContention(**data["host"]) if data.get("host") else None,
         )
 
     def save(self, path: Path) -> None:
@@ -274,3 +300,13 @@ def fit_serving(rows: list[dict[str, Any]]) -> float:
     if not rows:
         return 0.0
     return max(0.0, float(np.median([row["client_ttft_s"] - row["engine_s"] for row in rows])))
+
+
+def fit_host(host_cpu: dict[str, Any] | None) -> HostContention | None:
+    """busy cores outside the engines = background + CPU per token x tokens/s, least squares."""
+    if not host_cpu:
+        return None
+    table = _rows(host_cpu["rows"], ("tokens_per_s", "busy_cores"), "host CPU", 2)
+    tokens_per_s, busy = table.T
+    (background, per_token), _ = nonnegative_least_squares(np.column_stack([np.ones_like(busy), tokens_per_s]), busy)
+    return HostContention(int(host_cpu["engine_cores"]), float(background), float(per_token))

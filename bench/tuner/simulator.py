@@ -21,6 +21,10 @@ The serving path's fixed cost (model.serving_overhead_s: gRPC, routing, Ray hops
 every token the client sees by the same amount; it occupies no engine, so it adds to TTFT
 and end-to-end time and leaves inter-token times alone.
 
+On CPU engines that share the host with the serving stack (model.host), every prefill and
+decode step is stretched by the slowdown at the workload's offered token rate (rate x mean
+output tokens): a steady-state approximation, not a per-instant one.
+
 Time only moves forward per instance: each instance advances lazily to the time of the next
 request routed anywhere (no global event queue), so a decode step costs a few Python
 operations and no heap traffic.
@@ -252,8 +256,9 @@ class _Instance:
     in progress, or the time it went idle), because requests are added only after the
     instance has been advanced to their arrival."""
 
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
         self.requests = requests
+        self.slowdown = slowdown
         self.prefill_cost: PrefillCost = model.prefill
         self.token_budget = placement.token_budget
         self.clock = 0.0
@@ -290,7 +295,7 @@ class _Instance:
             batch.append(self.waiting.popleft())
             tokens += prompt[batch[-1]]
         start = self.clock
-        self.clock += self.prefill_cost.seconds(tokens, sum(prompt[rid] ** 2 for rid in batch))
+        self.clock += self.slowdown * self.prefill_cost.seconds(tokens, sum(prompt[rid] ** 2 for rid in batch))
         for rid in batch:
             self.requests.prefill_start[rid] = start
             self.requests.prefill_end[rid] = self.clock
@@ -298,8 +303,8 @@ class _Instance:
 
 
 class _PrefillInstance(_Instance):
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
-        super().__init__(requests, model, placement)
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
+        super().__init__(requests, model, placement, slowdown)
         self.queued_tokens = 0
         self.running_tokens = 0  # in the batch that ends at `clock`
 
@@ -321,8 +326,8 @@ class _DecodeInstance(_Instance):
     total context is sum(context at join - step at join) + batch size x steps, kept as one
     running sum instead of per-sequence counters."""
 
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement) -> None:
-        super().__init__(requests, model, placement)
+    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
+        super().__init__(requests, model, placement, slowdown)
         self.decode_cost: DecodeCost = model.decode
         self.limit = placement.batch_limit
         self.steps = 0
@@ -353,7 +358,7 @@ class _DecodeInstance(_Instance):
     def step(self) -> None:
         batch = len(self.running)
         self.peak_batch = max(self.peak_batch, batch)
-        self.clock += self.decode_cost.seconds(batch, self.context_terms + batch * self.steps)
+        self.clock += self.slowdown * self.decode_cost.seconds(batch, self.context_terms + batch * self.steps)
         self.steps += 1
         for rid in self.joined:
             self.requests.first[rid] = self.clock
@@ -392,13 +397,14 @@ def _dispatch(pool: Sequence[_Instance], order: Iterable[int], times: Sequence[f
 def simulate(model: PerformanceModel, placement: Placement, workload: Workload, rate: float) -> Timeline:
     requests = _Requests(workload, rate)
     arrivals = range(len(workload))
+    slowdown = model.host.slowdown(rate * float(workload.output_tokens.mean())) if model.host else 1.0
     if placement.colocated:
-        pool = [_ColocatedInstance(requests, model, placement) for _ in range(placement.decode)]
+        pool = [_ColocatedInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
         _dispatch(pool, arrivals, requests.arrival)
         return requests.timeline(pool, model.serving_overhead_s)
-    prefill_pool = [_PrefillInstance(requests, model, placement) for _ in range(placement.prefill)]
+    prefill_pool = [_PrefillInstance(requests, model, placement, slowdown) for _ in range(placement.prefill)]
     _dispatch(prefill_pool, arrivals, requests.arrival)
     ready = [end + model.transfer_seconds(p) for end, p in zip(requests.prefill_end, requests.prompt)]
-    decode_pool = [_DecodeInstance(requests, model, placement) for _ in range(placement.decode)]
+    decode_pool = [_DecodeInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
     _dispatch(decode_pool, sorted(arrivals, key=ready.__getitem__), ready)
     return requests.timeline(decode_pool, model.serving_overhead_s)
