@@ -8,7 +8,7 @@ One run:
 2. for each split that fits on 2 cores, as bench.goodput_compare deploys them (1 prefill +
    1 decode engine; colocated, 0 prefill + 2 decode engines; one core per engine, the default
    EngineConfig, so the decode batch limit is its max_num_seqs and the prefill token budget its
-   max_num_batched_tokens) and for each arrival rate (below saturation): simulates the exact
+   max_num_batched_tokens) and for each arrival rate (up to near saturation): simulates the exact
    requests the load generator sends at that rate (same arrival times, prompt and output
    lengths: bench.loadgen.synthetic_workload with the same profile and seed), then brings the
    deployment up with bench.goodput_compare's helpers, sends them, and tears it down;
@@ -21,9 +21,9 @@ per-request ITL, the statistic both SLOs use); the p50 is over requests. Both si
 percentiles over the same requests (those the load generator completed) with the same
 interpolation. Nothing is tuned to the measurements: the model is the plain fit of the probe.
 
-    python -m bench.tuner_validation [--rates 0.5 1 1.5] [--num-requests 30] [--probe probe.json]
+    python -m bench.tuner_validation [--rates 0.5 1 1.5 2 3 4] [--num-requests 30] [--probe probe.json]
 
-About 5 minutes on this machine with the defaults (probe ~30 s, each deployment ~2 min).
+About 6 minutes on this machine with the defaults (probe ~40 s, each deployment ~2.5 min).
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ if TYPE_CHECKING:
 
 TOLERANCE = 0.25  # issue 7: predictions within 25% of measurements
 METRICS = ("ttft", "itl")  # p50 of TTFT; p50 over requests of a request's mean inter-token time
-DEFAULT_RATES = (0.5, 1.0, 1.5)  # req/s: below saturation of both splits (bench.goodput_compare)
+# req/s: light load up to where the disaggregated pair's one prefill core nears saturation
+# (bench.goodput_compare: both splits hold the SLO for >= 98% of requests at 4 req/s).
+DEFAULT_RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 # The default workload's prompts are 640-1440 tokens (mean ~1000), outputs 40-60: probe
 # prefill around those lengths and decode at that context, batches 1..32 (the deployments'
