@@ -88,7 +88,7 @@ def _ratio(value: float, base: float) -> str:
 
 async def _actor_pids(deployment: Deployment) -> list[int]:
     members = deployment.prefill.members + deployment.decode.members
-    return list(await asyncio.gather(*(m.actor.__ray_call__.remote(lambda _actor: os.getpid()) for m in members)))
+    return list(await asyncio.gather(*(m.actor.pid.remote() for m in members)))
 
 
 async def _wait_exited(pids: Sequence[int], timeout_s: float = 60.0) -> None:

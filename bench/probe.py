@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import statistics
 import time
 from collections.abc import AsyncIterator
@@ -215,7 +214,7 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
         if colocated.cpu_cores and not colocated.gpus_per_engine:  # engines share the host's cores
             result.host_cpu = {"engine_cores": len(colocated.cpu_cores), "rows": []}
         await probe_prefill(actor, config, result)
-        await probe_decode(channel, [await actor.__ray_call__.remote(lambda _actor: os.getpid())], config, result)
+        await probe_decode(channel, [await actor.pid.remote()], config, result)
     async with _served(DeploymentConfig(engine=engine)) as (deployment, channel):
         layout = await deployment.prefill.members[0].actor.state_layout.remote()
         result.layout = {

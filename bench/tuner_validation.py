@@ -44,7 +44,7 @@ import numpy as np
 import psutil
 
 from bench.loadgen import PROFILES, LoadConfig, RequestSpec, RunReport, percentile, synthetic_workload
-from bench.tuner.model import Layout, PerformanceModel, TransferCost, fit_decode, fit_host, fit_prefill, fit_serving
+from bench.tuner.model import PerformanceModel, TransferCost
 from bench.tuner.simulator import Placement, Timeline, Workload, simulate
 from vllm_engine.config import EngineConfig, resolve_model
 
@@ -205,16 +205,7 @@ def fit_model(probe: dict[str, Any]) -> tuple[PerformanceModel, str]:
         if "transfer" not in str(err):
             raise
     median = statistics.median(row["seconds"] for row in probe["transfer"])
-    model = PerformanceModel(
-        hardware=probe["hardware"],
-        model=probe["model"],
-        prefill=fit_prefill(probe["prefill"]),
-        decode=fit_decode(probe["decode"]),
-        transfer=TransferCost(median, 1e18),
-        layout=Layout(**probe["layout"]),
-        serving_overhead_s=fit_serving(probe.get("serving", [])),
-        host=fit_host(probe.get("host_cpu")),
-    )
+    model = PerformanceModel.from_probe(probe, transfer=TransferCost(median, 1e18))
     return model, f"transfer rows show no growth with bytes: flat {median * 1e3:.1f} ms (their median)"
 
 

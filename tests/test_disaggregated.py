@@ -53,7 +53,7 @@ def test_each_engine_keeps_to_its_own_core(deployment):
     so the prefill and decode engines run on different cores (one each, handed out in turn)."""
     dep, _ = deployment
     members = dep.prefill.members + dep.decode.members
-    pids = ray.get([m.actor.__ray_call__.remote(lambda _actor: os.getpid()) for m in members])
+    pids = ray.get([m.actor.pid.remote() for m in members])
     cores = [dep.config.engine_for(i).cpu_cores for i in range(len(members))]
     assert len(set(cores)) == min(len(members), len(os.sched_getaffinity(0)))
     for pid, core in zip(pids, cores):

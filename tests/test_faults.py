@@ -18,7 +18,7 @@ from router.orchestrator import RouterPolicy
 
 
 def _pid(actor) -> int:
-    return ray.get(actor.__ray_call__.remote(lambda self: os.getpid()))
+    return ray.get(actor.pid.remote())
 
 
 def _sigkill(actor) -> None:

@@ -69,7 +69,7 @@ def test_soak_with_cancellations_and_a_kill(soak_deployment):
     async def kill_one_decode_actor() -> None:
         await asyncio.sleep(8)
         victim = dep.decode.members[0].actor
-        pid = await victim.__ray_call__.remote(lambda self: os.getpid())
+        pid = await victim.pid.remote()
         os.kill(pid, signal.SIGKILL)
 
     async def soak() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import replace
 
 from vllm_engine.loop import EngineLoad, EngineLoop
@@ -22,6 +23,10 @@ class EngineWorker:
 
     def model_limits(self) -> ModelLimits:
         return self._loop.limits
+
+    def pid(self) -> int:
+        """The worker's process (benchmarks read its CPU time; fault tests signal it)."""
+        return os.getpid()
 
     def metrics_address(self) -> str:
         """Where Prometheus scrapes this worker's metrics ("" when not exported)."""

@@ -145,13 +145,14 @@ class PerformanceModel:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
 
     @classmethod
-    def from_probe(cls, probe: dict[str, Any]) -> PerformanceModel:
+    def from_probe(cls, probe: dict[str, Any], transfer: TransferCost | None = None) -> PerformanceModel:
+        """`transfer` replaces the fit of the probe's transfer rows when given."""
         return cls(
             hardware=probe["hardware"],
             model=probe["model"],
             prefill=fit_prefill(probe["prefill"]),
             decode=fit_decode(probe["decode"]),
-            transfer=fit_transfer(probe["transfer"]),
+            transfer=transfer or fit_transfer(probe["transfer"]),
             layout=Layout(**probe["layout"]),
             serving_overhead_s=fit_serving(probe.get("serving", [])),
             host=fit_host(probe.get("host_cpu")),
