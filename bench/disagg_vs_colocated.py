@@ -80,7 +80,7 @@ async def run(lengths: list[int], reps: int, max_tokens: int, model: str) -> lis
     deployment = Deployment(DeploymentConfig(engine=engine))
     orchestrator = await deployment.start()
     # The colocated engine gets the decode engine's core; only one of them works at a time.
-    colocated = DecodeActor.remote("colocated", deployment.config.engine_for(1), None)
+    colocated = DecodeActor.remote("colocated", deployment.config.engine_for("decode", 1), None)
     await colocated.ready.remote()
     rows = []
     try:

@@ -211,7 +211,7 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
     colocated = DeploymentConfig(engine=replace(engine, max_num_seqs=max(config.decode_batches)), num_prefill=0)
     async with _served(colocated) as (deployment, channel):
         actor = deployment.decode.members[0].actor
-        if colocated.cpu_cores and not colocated.gpus_per_engine:  # engines share the host's cores
+        if colocated.cpu_cores and engine.device == "cpu":  # engines share the host's cores
             result.host_cpu = {"engine_cores": len(colocated.cpu_cores), "rows": []}
         await probe_prefill(actor, config, result)
         await probe_decode(channel, [await actor.pid.remote()], config, result)

@@ -20,10 +20,8 @@ from kv_transfer.connector_config import (
 )
 from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
-from kv_transfer.progress_thread import configure_nixl_progress_thread
 from vllm_engine.config import EngineConfig
-from vllm_engine.loop import EngineLoop
-from vllm_engine.requests import GenerateRequest, ModelLimits, TokenChunk
+from vllm_engine.requests import GenerateRequest, TokenChunk
 from vllm_engine.worker_base import EngineWorker
 
 
@@ -44,20 +42,18 @@ class DecodeWorker(EngineWorker):
         self._transfer = transfer
         if transfer is None:
             self.engine_id = f"colocated-{name}"
-            self._loop = EngineLoop.start(engine_config, on_fatal=on_fatal)
+            self._start_engine(engine_config, on_fatal=on_fatal)
         else:
             if channel is None:
                 raise ValueError("a decode worker with KV transfer needs a NIXL side channel")
             self.engine_id = engine_id_for(Role.DECODE, name, channel)
-            configure_nixl_progress_thread(transfer.nixl_progress_poll_us)
-            self._loop = EngineLoop.start(
+            self._start_engine(
                 engine_config,
                 transfer.kv_transfer_config(Role.DECODE, self.engine_id),
                 {**channel.process_env(), **transfer.process_env()},
                 on_fatal,
                 [TransferStatLogger],
             )
-        self.limits: ModelLimits = self._loop.limits
 
     async def generate(
         self, request: GenerateRequest, handle: TransferHandle | None = None
@@ -73,7 +69,7 @@ class DecodeWorker(EngineWorker):
             handle.check_usable(self._transfer.handle_margin_s)
             extra_args = {"kv_transfer_params": handle.connector_params}
         params = request.sampling.to_vllm(output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
-        outputs = self._loop.generate(request.request_id, list(request.prompt_token_ids), params)
+        outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), params)
         if handle is not None:
             outputs = _first_within(outputs, self._transfer.transfer_timeout_s, handle)
         pulled = handle is None

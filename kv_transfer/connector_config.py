@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
+from kv_transfer.vllm_plugin import PROGRESS_POLL_ENV
 from vllm_engine.config import HYBRID_TRANSFER_ENV
 
 
@@ -48,7 +49,13 @@ class TransferConfig:
     ucx_transports: str | None = None
 
     def process_env(self) -> dict[str, str]:
-        return {"UCX_TLS": self.ucx_transports} if self.ucx_transports else {}
+        """Environment of every process of an engine with this transfer (read there by
+        kv_transfer.vllm_plugin and by UCX)."""
+        poll = self.nixl_progress_poll_us
+        env = {PROGRESS_POLL_ENV: "none" if poll is None else str(poll)}
+        if self.ucx_transports:
+            env["UCX_TLS"] = self.ucx_transports
+        return env
 
     def __post_init__(self) -> None:
         if self.nixl_progress_poll_us is not None and 0 < self.nixl_progress_poll_us < 1000:

@@ -3,12 +3,14 @@
 vLLM splits a hybrid model's cache into KV-cache groups: attention groups whose blocks hold
 `block_size` tokens each, and Mamba/Gated-DeltaNet groups whose single "block" per request
 is a fixed-size state slot (conv state + temporal state). Bytes moved for a request are the
-block ids it holds in each group times the bytes one block holds across the group's layers.
+block ids it holds in each group times the bytes one block holds across the group's layers,
+times the tensor-parallel ranks: each rank holds its share of the heads in its own pool
+under the same block ids (vLLM's scheduler sees one rank's page sizes).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Sequence
 
@@ -40,11 +42,14 @@ class TransferBytes:
 
 @dataclass(frozen=True, slots=True)
 class StateLayout:
-    groups: tuple[CacheGroup, ...]
-    num_blocks: int  # blocks in the engine's pool (shared by all groups)
+    groups: tuple[CacheGroup, ...]  # one rank's share
+    num_blocks: int  # blocks in each rank's pool (shared by all groups)
+    # Ranks holding a share each. When TP exceeds the KV heads, ranks hold replicas and
+    # this counts every rank's copy.
+    tensor_parallel_size: int = 1
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any) -> "StateLayout":
+    def from_kv_cache_config(cls, kv_cache_config: Any, tensor_parallel_size: int = 1) -> "StateLayout":
         from vllm.v1.kv_cache_interface import (
             AttentionSpec,
             MambaSpec,
@@ -71,20 +76,51 @@ class StateLayout:
                 )
             else:
                 raise ValueError(f"unsupported KV-cache group spec {type(spec).__name__}")
-        return cls(tuple(groups), kv_cache_config.num_blocks)
+        return cls(tuple(groups), kv_cache_config.num_blocks, tensor_parallel_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StateLayout":
+        groups = tuple(
+            CacheGroup(GroupKind(g["kind"]), g["num_layers"], g["bytes_per_block_per_layer"], g["block_size"])
+            for g in data["groups"]
+        )
+        return cls(groups, data["num_blocks"], data.get("tensor_parallel_size", 1))
 
     @property
     def attention_kv_bytes_per_token(self) -> int:
-        return sum(
+        """All ranks together."""
+        per_rank = sum(
             g.num_layers * g.bytes_per_block_per_layer // g.block_size
             for g in self.groups
             if g.kind is GroupKind.ATTENTION
         )
+        return per_rank * self.tensor_parallel_size
 
     @property
     def deltanet_state_bytes_per_request(self) -> int:
-        return sum(
+        """All ranks together."""
+        per_rank = sum(
             g.num_layers * g.bytes_per_block_per_layer for g in self.groups if g.kind is GroupKind.DELTANET
+        )
+        return per_rank * self.tensor_parallel_size
+
+    def capacity(self, max_model_len: int, max_num_seqs: int) -> "EngineCapacity":
+        """What this engine's pool holds (vLLM keeps one null block back)."""
+        usable = max(0, self.num_blocks - 1)
+        per_request = sum(
+            -(-max_model_len // g.block_size) if g.kind is GroupKind.ATTENTION else 1 for g in self.groups
+        )
+        state_groups = sum(g.kind is GroupKind.DELTANET for g in self.groups)
+        return EngineCapacity(
+            kv_blocks=usable,
+            deltanet_state_slots=usable if state_groups else 0,
+            blocks_per_max_length_request=per_request,
+            max_concurrent_max_length_requests=min(max_num_seqs, usable // per_request),
+            max_model_len=max_model_len,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def bytes_for(self, block_ids: Sequence[Sequence[int]]) -> TransferBytes:
@@ -93,5 +129,24 @@ class StateLayout:
             raise ValueError(f"expected block ids for {len(self.groups)} KV-cache groups, got {len(block_ids)}")
         per_kind = {GroupKind.ATTENTION: 0, GroupKind.DELTANET: 0}
         for group, ids in zip(self.groups, block_ids):
-            per_kind[group.kind] += len(ids) * group.num_layers * group.bytes_per_block_per_layer
+            per_kind[group.kind] += len(ids) * group.num_layers * group.bytes_per_block_per_layer * self.tensor_parallel_size
         return TransferBytes(per_kind[GroupKind.ATTENTION], per_kind[GroupKind.DELTANET])
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """Reported by each engine at start-up (per rank pool; every rank holds the same blocks)."""
+
+    kv_blocks: int  # blocks in the pool, shared by attention blocks and DeltaNet state slots
+    deltanet_state_slots: int  # 0 for attention-only models
+    blocks_per_max_length_request: int
+    max_concurrent_max_length_requests: int  # also bounded by max_num_seqs
+    max_model_len: int
+    tensor_parallel_size: int
+
+    def summary(self) -> str:
+        return (
+            f"TP {self.tensor_parallel_size}, {self.kv_blocks:,} KV blocks (shared with DeltaNet state slots), "
+            f"{self.blocks_per_max_length_request} per {self.max_model_len:,}-token request: "
+            f"{self.max_concurrent_max_length_requests} concurrent max-length requests"
+        )

@@ -8,7 +8,7 @@ from kv_transfer.connector_config import TransferConfig, pick_side_channel
 from kv_transfer.metrics import serve_metrics
 from prefill_worker.worker import PrefillWorker
 from vllm_engine.config import EngineConfig
-from vllm_engine.loop import exit_for_restart
+from vllm_engine.engine import exit_for_restart
 
 
 @ray.remote(num_cpus=0, max_concurrency=1000)

@@ -20,12 +20,9 @@ from kv_transfer.connector_config import (
     engine_id_for,
 )
 from kv_transfer.handle import TransferHandle
-from kv_transfer.layout import StateLayout
 from kv_transfer.metrics import LEASES_GRANTED, TransferStatLogger
-from kv_transfer.progress_thread import configure_nixl_progress_thread
 from vllm_engine.config import EngineConfig
-from vllm_engine.loop import EngineLoop
-from vllm_engine.requests import GenerateRequest, ModelLimits
+from vllm_engine.requests import GenerateRequest
 from vllm_engine.worker_base import EngineWorker
 
 
@@ -51,16 +48,13 @@ class PrefillWorker(EngineWorker):
         self.name = name
         self.engine_id = engine_id_for(Role.PREFILL, name, channel)
         self._transfer = transfer
-        configure_nixl_progress_thread(transfer.nixl_progress_poll_us)
-        self._loop = EngineLoop.start(
+        self._start_engine(
             engine_config,
             transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
             {**channel.process_env(), **transfer.process_env()},
             on_fatal,
             [TransferStatLogger],
         )
-        self.layout = StateLayout.from_kv_cache_config(self._loop.kv_cache_config)
-        self.limits: ModelLimits = self._loop.limits
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         request.validate(self.limits)
@@ -75,19 +69,17 @@ class PrefillWorker(EngineWorker):
             extra_args={"kv_transfer_params": {"do_remote_decode": True}},
         )
         final = None
-        async for output in self._loop.generate(request.request_id, list(request.prompt_token_ids), params):
+        async for output in self._engine.generate(request.request_id, list(request.prompt_token_ids), params):
             final = output
         if final is None or final.kv_transfer_params is None:
             reason = final.outputs[0].finish_reason if final else "no output"
             raise PrefillFailedError(f"prefill of {request.request_id} produced no transfer handle ({reason})")
         connector_params = final.kv_transfer_params
+        layout = await self._engine.state_layout()  # every rank's share of the blocks
         handle = TransferHandle.from_connector_params(
             connector_params,
             lease_s=self._transfer.lease_s,
-            transfer_bytes=self.layout.bytes_for(connector_params["remote_block_ids"]),
+            transfer_bytes=layout.bytes_for(connector_params["remote_block_ids"]),
         )
         LEASES_GRANTED.inc()
         return PrefillResult(handle, time.perf_counter() - started)
-
-    def state_layout(self) -> StateLayout:
-        return self.layout

@@ -8,6 +8,10 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from router.deployment import DeploymentConfig
 
 DEFAULT_PROMPT = (
     "Prefill processes the prompt and creates state; decode consumes that state one token "
@@ -38,11 +42,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
 
-    # Measurement tools keep their own argument parsers.
+    # Measurement and sizing tools keep their own argument parsers.
+    sub.add_parser("plan", help="size engines from a model's config.json (weights, KV, state, blocks)", add_help=False)
     sub.add_parser("probe", help="measure prefill and decode throughput apart on this hardware", add_help=False)
     sub.add_parser("tune", help="recommend (and apply) the prefill:decode split", add_help=False)
 
     args, rest = parser.parse_known_args(argv)
+    if args.command == "plan":
+        from vllm_engine.plan_cli import main as plan_main
+
+        return plan_main(rest)
     if args.command == "probe":
         from bench.probe import main as probe_main
 
@@ -53,19 +62,75 @@ def main(argv: list[str] | None = None) -> int:
         return tune_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "demo":
-        return asyncio.run(_demo(args))
-    if args.command == "serve":
-        return asyncio.run(_serve(args))
+    try:
+        if args.command == "demo":
+            return asyncio.run(_demo(args))
+        if args.command == "serve":
+            return asyncio.run(_serve(args))
+    except ValueError as err:  # a configuration the engines cannot run: say why, no traceback
+        print(f"pdserve {args.command}: {err}", file=sys.stderr)
+        return 2
     return asyncio.run(_generate(args.target, args.prompt, args.timeout, max_tokens=args.max_tokens, temperature=args.temperature))
 
 
+# Engine sizing flags: `--X` sets both pools, `--prefill-X` / `--decode-X` one pool.
+_SIZING_FLAGS = {
+    "max_num_seqs": (int, "batch limit per engine (decode: concurrent streams)"),
+    "max_num_batched_tokens": (int, "tokens per engine step (prefill: the prompt token budget)"),
+    "kv_cache_bytes": ("bytes", "KV cache per rank, e.g. 4GiB (CPU default 256MiB; GPU default from --gpu-memory-utilization)"),
+    "gpu_memory_utilization": (float, "fraction of each GPU vLLM may use (default 0.9)"),
+}
+
+
 def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
+    from vllm_engine.plan_cli import parse_bytes
+
     parser.add_argument("--model", default="embedded", help="HF model directory (default: embedded tiny Qwen3.5 hybrid)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines and KV buffers live")
     parser.add_argument("--lease", type=int, default=30, help="seconds prefill holds blocks for decode to read")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="decode batch limit per engine")
+    engine = parser.add_argument_group("engines (see `pdserve plan` for what a setting holds)")
+    engine.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel GPUs (CPU: core sets) per prefill engine")
+    engine.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel GPUs (CPU: core sets) per decode engine")
+    engine.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output an engine accepts")
+    engine.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs on GPU (CPU is always eager)")
+    engine.add_argument(
+        "--engine-path", choices=["auto", "inprocess", "async"], default="auto",
+        help="auto: vLLM's AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU",
+    )
+    for name, (kind, text) in _SIZING_FLAGS.items():
+        flag, convert = name.replace("_", "-"), parse_bytes if kind == "bytes" else kind
+        engine.add_argument(f"--{flag}", type=convert, default=None, help=text)
+        for role in ("prefill", "decode"):
+            engine.add_argument(f"--{role}-{flag}", type=convert, default=None, help=argparse.SUPPRESS)
+
+
+def deployment_config_from_args(args: argparse.Namespace, num_prefill: int, num_decode: int) -> "DeploymentConfig":
+    from dataclasses import replace
+
+    from kv_transfer.connector_config import TransferConfig
+    from router.deployment import DeploymentConfig
+    from vllm_engine.config import EngineConfig, EngineSizing
+
+    def sizing(role: str) -> EngineSizing:
+        values = {name: getattr(args, f"{role}_{name}") for name in _SIZING_FLAGS}
+        return EngineSizing(tensor_parallel_size=getattr(args, f"{role}_tp"), **values)
+
+    shared = {name: getattr(args, name) for name in _SIZING_FLAGS if getattr(args, name) is not None}
+    engine = replace(
+        EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len, engine_path=args.engine_path),
+        enforce_eager=True if args.enforce_eager else None,
+        **shared,
+    )
+    return DeploymentConfig(
+        # Unresolved: "embedded" is built on each node, so nodes need no shared filesystem.
+        engine=engine,
+        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease),
+        num_prefill=num_prefill,
+        num_decode=num_decode,
+        prefill_sizing=sizing("prefill"),
+        decode_sizing=sizing("decode"),
+    )
 
 
 @dataclass(slots=True)
@@ -81,31 +146,25 @@ class _Stack:
 async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int, listen: str) -> _Stack:
     from transformers import AutoTokenizer
 
-    from kv_transfer.connector_config import TransferConfig
     from router import ray_cluster
-    from router.deployment import Deployment, DeploymentConfig
+    from router.deployment import Deployment
     from router.server import RouterServer
-    from vllm_engine.config import EngineConfig, resolve_model
+    from vllm_engine.config import resolve_model
 
+    config = deployment_config_from_args(args, num_prefill, num_decode)  # refuses bad TP pairings
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     if args.address:
         ray_cluster.join(args.address)
     else:
         ray_cluster.start_local()
-    gpu = args.device == "cuda"
-    config = DeploymentConfig(
-        # Unresolved: "embedded" is built on each node, so nodes need no shared filesystem.
-        engine=EngineConfig(model=args.model, max_num_seqs=args.max_num_seqs),
-        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease),
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        gpus_per_engine=1.0 if gpu else 0.0,
-    )
     deployment = Deployment(config)
-    print(f"model {model}: starting {num_prefill} prefill + {num_decode} decode actors...", file=sys.stderr)
+    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
+    print(f"model {model}: starting {num_prefill} prefill + {num_decode} decode engines ({tps})...", file=sys.stderr)
     try:
         orchestrator = await deployment.start()
+        for name, capacity in deployment.capacities.items():
+            print(f"  {name}: {capacity.summary()}", file=sys.stderr)
         server = RouterServer(orchestrator, tokenizer.encode, model, listen, scale=deployment.resize)
         await server.start()
     except BaseException:

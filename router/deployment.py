@@ -1,45 +1,103 @@
-"""Bring up the prefill and decode pools as Ray actors and wire them to an orchestrator."""
+"""Bring up the prefill and decode pools as Ray actors and wire them to an orchestrator.
+
+Each engine gets its own placement group (one STRICT_PACK bundle: its pool slot plus, on
+GPUs, all TP GPUs of the engine on one node). vLLM's ranks are processes the actor spawns
+(mp executor), so they run inside that reservation; Ray restarts a crashed actor into the
+same reservation, so a restarted TP engine never loses its GPUs to the other pool.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker.actor import DecodeActor
 from kv_transfer.connector_config import TransferConfig
+from kv_transfer.layout import EngineCapacity
 from prefill_worker.actor import PrefillActor
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.pools import Member, Pool
 from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
-from vllm_engine.config import EngineConfig
+from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 from vllm_engine.requests import ModelLimits
+
+log = logging.getLogger(__name__)
 
 
 def default_cpu_cores() -> tuple[str, ...] | None:
-    """One core per engine on CPU machines (engines bind their OpenMP threads to it)."""
+    """The host's cores, handed to engines in turn on CPU machines (one per TP rank)."""
     return tuple(str(c) for c in sorted(os.sched_getaffinity(0)))
 
 
 @dataclass(frozen=True, slots=True)
 class DeploymentConfig:
+    # The model and everything both roles must share (NIXL checks a compatibility hash).
     engine: EngineConfig = field(default_factory=EngineConfig)
     transfer: TransferConfig = field(default_factory=TransferConfig)
     num_prefill: int = 1  # 0: colocated serving (decode engines prefill themselves, no transfer)
     num_decode: int = 1
+    # What each pool's engines may do differently: TP, batch limit, token budget, KV size.
+    prefill_sizing: EngineSizing = field(default_factory=EngineSizing)
+    decode_sizing: EngineSizing = field(default_factory=EngineSizing)
     policy: RouterPolicy = field(default_factory=RouterPolicy)
-    gpus_per_engine: float = 0.0  # 0 on CPU machines
     # Ray restarts a crashed actor this many times (a new engine, new NIXL identity).
     max_restarts: int = 3
-    # CPU machines: cores handed to engines in turn (prefill first). None: no pinning.
+    # CPU machines: cores handed to engine ranks in turn (prefill first). None: no pinning.
     cpu_cores: tuple[str, ...] | None = field(default_factory=default_cpu_cores)
+    # How long an engine may wait for its placement group (an autoscaler adding a node).
+    placement_timeout_s: float = 600.0
 
-    def engine_for(self, index: int) -> EngineConfig:
-        if not self.cpu_cores or self.gpus_per_engine:
-            return self.engine
-        return self.engine.with_cores(self.cpu_cores[index % len(self.cpu_cores)])
+    def __post_init__(self) -> None:
+        if self.num_prefill:
+            check_tp_pairing(self.role_engine("prefill").tensor_parallel_size, self.role_engine("decode").tensor_parallel_size)
+
+    def role_engine(self, role: str) -> EngineConfig:
+        """The engine configuration of one pool, before cores are handed out."""
+        return self.engine.sized(self.prefill_sizing if role == "prefill" else self.decode_sizing)
+
+    def engine_for(self, role: str, first_core: int) -> EngineConfig:
+        """One engine of `role`; on CPU its ranks take cores first_core, first_core + 1, ..."""
+        config = self.role_engine(role)
+        if not self.cpu_cores or config.device != "cpu":
+            return config
+        n = len(self.cpu_cores)
+        ranks = [self.cpu_cores[(first_core + r) % n] for r in range(config.tensor_parallel_size)]
+        return config.with_cores("|".join(ranks))
+
+
+def check_tp_pairing(prefill_tp: int, decode_tp: int) -> None:
+    """vLLM 0.32's NixlConnector maps producer and consumer ranks by an integer ratio."""
+    small, large = sorted((prefill_tp, decode_tp))
+    if large % small:
+        raise ValueError(
+            f"prefill TP {prefill_tp} cannot hand off to decode TP {decode_tp}: vLLM 0.32's NixlConnector maps "
+            "ranks by an integer ratio, so one TP size must be a multiple of the other "
+            f"(e.g. {prefill_tp} -> {prefill_tp}, {small} -> {small * 2}, or {large} -> {large // small * small})"
+        )
+
+
+def check_sizing(config: DeploymentConfig) -> None:
+    """Refuse, before any actor starts, an engine that cannot split the model's heads over
+    its TP ranks or hold one max-length request (on GPUs vLLM's own profile-based check
+    at start-up covers memory sized from gpu_memory_utilization)."""
+    from vllm_engine.sizing import ModelShape, plan_for
+
+    roles = ("prefill", "decode") if config.num_prefill else ("decode",)
+    shape = ModelShape.from_model_dir(resolve_model(config.engine.model))
+    for role in roles:
+        engine = config.role_engine(role)
+        try:
+            plan = plan_for(engine, shape)
+            if engine.kv_cache_memory_bytes is not None:
+                plan.check()
+        except ValueError as err:
+            raise ValueError(f"{role} engine (TP {engine.tensor_parallel_size}): {err}") from None
 
 
 class Deployment:
@@ -51,15 +109,18 @@ class Deployment:
         self.decode = Pool("decode")
         self.limits: ModelLimits | None = None
         self.orchestrator: Orchestrator | None = None
-        self._started = 0  # engines started so far: CPU cores are handed out in turn
+        self.capacities: dict[str, EngineCapacity] = {}
+        self._next_core = 0  # CPU cores are handed out in turn
         self._named = {"prefill": 0, "decode": 0}  # actor names are never reused
+        self._placements: dict[str, PlacementGroup] = {}
 
     async def start(self) -> Orchestrator:
         cfg = self.config
+        check_sizing(cfg)
         self._add(self.prefill, cfg.num_prefill)
         self._add(self.decode, cfg.num_decode)
         members = self.prefill.members + self.decode.members
-        await asyncio.gather(*(m.actor.ready.remote() for m in members))
+        await self._ready(members)
         self.limits = await members[0].actor.model_limits.remote()
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
         await self.orchestrator.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
@@ -74,7 +135,7 @@ class Deployment:
             raise ValueError("resize keeps the serving mode: prefill 0 (colocated) stays 0, and decode >= 1")
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))
         added += self._add(self.decode, num_decode - len(self.decode.members))
-        await asyncio.gather(*(m.actor.ready.remote() for m in added))
+        await self._ready(added)
         await self.orchestrator.refresh(poll_timeout_s=60)
         leaving = self.prefill.members[num_prefill:] + self.decode.members[num_decode:]
         for member in leaving:
@@ -85,6 +146,24 @@ class Deployment:
             pool.members = [m for m in pool.members if not m.draining]
         return len(self.prefill.members), len(self.decode.members)
 
+    async def _ready(self, members: list[Member]) -> None:
+        """Wait for each engine's reservation and start-up; record what each can hold."""
+        timeout = self.config.placement_timeout_s
+        for member in members:
+            placement = self._placements[member.name]
+            try:
+                await asyncio.wait_for(placement.ready(), timeout)
+            except asyncio.TimeoutError:
+                raise RuntimeError(
+                    f"{member.name}: no node offered {placement.bundle_specs[0]} on one node within {timeout:.0f}s: "
+                    "add nodes of that pool's type (or let the autoscaler), or lower the TP size"
+                ) from None
+        await asyncio.gather(*(m.actor.ready.remote() for m in members))
+        capacities = await asyncio.gather(*(m.actor.capacity.remote() for m in members))
+        for member, capacity in zip(members, capacities):
+            self.capacities[member.name] = capacity
+            log.info("%s: %s", member.name, capacity.summary())
+
     async def _drain(self, member: Member, timeout_s: float) -> None:
         deadline = asyncio.get_running_loop().time() + timeout_s
         while asyncio.get_running_loop().time() < deadline:
@@ -93,7 +172,7 @@ class Deployment:
             if member.outstanding_requests == 0 and idle:
                 break
             await asyncio.sleep(0.1)
-        ray.kill(member.actor, no_restart=True)
+        self._remove(member)
 
     def _add(self, pool: Pool, count: int) -> list[Member]:
         cfg = self.config
@@ -105,16 +184,31 @@ class Deployment:
         for _ in range(max(0, count)):
             name = f"{pool.role}-{self._named[pool.role]}"
             self._named[pool.role] += 1
+            engine = cfg.engine_for(pool.role, self._next_core)
+            self._next_core += engine.tensor_parallel_size
+            gpus = engine.tensor_parallel_size if engine.device == "cuda" else 0
+            bundle = {resource: 1.0, **({"GPU": float(gpus)} if gpus else {})}
+            placement = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{name}")
+            self._placements[name] = placement
             actor = actor_class.options(
-                name=name, resources={resource: 1}, num_gpus=cfg.gpus_per_engine, max_restarts=cfg.max_restarts
-            ).remote(name, cfg.engine_for(self._started), transfer)
-            self._started += 1
+                name=name,
+                resources={resource: 1},
+                num_gpus=gpus,
+                max_restarts=cfg.max_restarts,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement, placement_group_bundle_index=0),
+            ).remote(name, engine, transfer)
             added.append(Member(name, actor))
         pool.members.extend(added)
         return added
 
+    def _remove(self, member: Member) -> None:
+        ray.kill(member.actor, no_restart=True)
+        placement = self._placements.pop(member.name, None)
+        if placement is not None:
+            remove_placement_group(placement)
+
     def shutdown(self) -> None:
         for member in self.prefill.members + self.decode.members:
-            ray.kill(member.actor, no_restart=True)
+            self._remove(member)
         self.prefill.members.clear()
         self.decode.members.clear()

@@ -12,7 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_engine.loop import EngineLoad
+from vllm_engine.engine import EngineLoad
 
 
 @dataclass(slots=True)

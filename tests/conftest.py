@@ -75,3 +75,60 @@ def _engines_idle(dep) -> bool:
 
 def assert_no_blocks_held(dep, timeout_s: float = 5.0) -> None:
     assert wait_until(lambda: _engines_idle(dep), timeout_s), "blocks still held on an engine"
+
+
+class ServedStack:
+    """A deployment behind the router's gRPC server, which runs on its own loop in a
+    background thread as it would in `pdserve serve` (it keeps handling cancellations and
+    health polls between a test's client calls)."""
+
+    def __init__(self, dep, model_path: str, health_interval_s: float = 0.2) -> None:
+        import threading
+
+        from transformers import AutoTokenizer
+
+        from router.server import RouterServer
+
+        self.dep = dep
+        orchestrator = run(dep.start()) if dep.orchestrator is None else dep.orchestrator
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+        async def start_server():
+            server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=health_interval_s, scale=dep.resize)
+            await server.start()
+            return server
+
+        self.server = asyncio.run_coroutine_threadsafe(start_server(), self.loop).result()
+
+    def call(self, coro_fn: Callable[[Any], Awaitable[T]], timeout_s: float = 300) -> T:
+        """Run a client coroutine on the server's loop (grpc.aio objects are loop-bound)."""
+        import grpc
+
+        async def with_channel():
+            async with grpc.aio.insecure_channel(self.server.address) as channel:
+                return await coro_fn(channel)
+
+        return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+        self.dep.shutdown()
+
+
+async def stream_tokens(channel, request, timeout_s: float | None = None):
+    """(token ids, text, final message) of one streamed generation."""
+    from router.client import stream_generate
+
+    tokens, texts, final = [], [], None
+    async for response in stream_generate(channel, request, timeout_s):
+        if response.HasField("chunk"):
+            tokens.extend(response.chunk.token_ids)
+            texts.append(response.chunk.text)
+        else:
+            final = response.final
+    return tokens, "".join(texts), final

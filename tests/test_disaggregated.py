@@ -54,7 +54,7 @@ def test_each_engine_keeps_to_its_own_core(deployment):
     dep, _ = deployment
     members = dep.prefill.members + dep.decode.members
     pids = ray.get([m.actor.pid.remote() for m in members])
-    cores = [dep.config.engine_for(i).cpu_cores for i in range(len(members))]
+    cores = [dep.config.engine_for(m.name.split("-")[0], i).cpu_cores for i, m in enumerate(members)]
     assert len(set(cores)) == min(len(members), len(os.sched_getaffinity(0)))
     for pid, core in zip(pids, cores):
         threads = os.listdir(f"/proc/{pid}/task")

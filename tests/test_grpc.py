@@ -4,12 +4,11 @@ vLLM engines and NIXL transfer behind the router."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import grpc
 import pytest
-from conftest import assert_no_blocks_held, run, wait_until
+from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import MAX_TOKENS, PROMPTS, assert_matches
@@ -19,53 +18,18 @@ from router.client import build_request, stream_generate
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster, engine_config, reference, model_path):
-    from transformers import AutoTokenizer
-
     from router.deployment import Deployment, DeploymentConfig
-    from router.server import RouterServer
 
-    dep = Deployment(DeploymentConfig(engine=engine_config))
-    orchestrator = run(dep.start())
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    # The server runs on its own loop in a background thread, as it would in `pdserve serve`:
-    # it keeps handling cancellations and health polls between the test's client calls.
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start_server():
-        server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=0.2, scale=dep.resize)
-        await server.start()
-        return server
-
-    server = asyncio.run_coroutine_threadsafe(start_server(), loop).result()
-    yield dep, server, loop
-    asyncio.run_coroutine_threadsafe(server.stop(0), loop).result()
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout=10)
-    dep.shutdown()
+    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
+    yield served
+    served.close()
 
 
 def _call(stack, coro_fn):
-    """Run a client coroutine on the server's event loop (grpc.aio objects are loop-bound)."""
-    _, server, loop = stack
-
-    async def with_channel():
-        async with grpc.aio.insecure_channel(server.address) as channel:
-            return await coro_fn(channel)
-
-    return asyncio.run_coroutine_threadsafe(with_channel(), loop).result(timeout=300)
+    return stack.call(coro_fn)
 
 
-async def _stream(channel, request, timeout_s=None):
-    tokens, texts, final = [], [], None
-    async for response in stream_generate(channel, request, timeout_s):
-        if response.HasField("chunk"):
-            tokens.extend(response.chunk.token_ids)
-            texts.append(response.chunk.text)
-        else:
-            final = response.final
-    return tokens, "".join(texts), final
+_stream = stream_tokens
 
 
 def _ids(name):
@@ -107,7 +71,7 @@ def test_text_prompt_is_tokenized_by_the_router(stack):
 
 
 def test_eight_concurrent_streams_complete_correctly(stack, reference):
-    dep = stack[0]
+    dep = stack.dep
     names = ["short", "over_one_block", "long", "x", "y", "y_then_last_of_x", "short", "x"]
 
     async def all_streams(channel):
@@ -126,7 +90,7 @@ def test_eight_concurrent_streams_complete_correctly(stack, reference):
 
 
 def test_client_cancel_mid_stream_frees_blocks_on_both_engines(stack):
-    dep = stack[0]
+    dep = stack.dep
     request = build_request(_ids("long"), "cancel-me", max_tokens=2000, ignore_eos=True)
 
     async def cancel_after_tokens(channel):
@@ -144,7 +108,7 @@ def test_client_cancel_mid_stream_frees_blocks_on_both_engines(stack):
 
 
 def test_deadline_shorter_than_generation(stack):
-    dep = stack[0]
+    dep = stack.dep
     request = build_request(_ids("long"), "deadline", max_tokens=3000, ignore_eos=True)
     with pytest.raises(grpc.aio.AioRpcError) as err:
         _call(stack, lambda ch: _stream(ch, request, timeout_s=1.0))
@@ -175,7 +139,7 @@ def test_invalid_parameters_are_invalid_argument_naming_the_field(stack, samplin
         _call(stack, lambda ch: _stream(ch, request))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith(f"{field}:"), err.value.details()
-    assert_no_blocks_held(stack[0])
+    assert_no_blocks_held(stack.dep)
 
 
 def test_very_short_prompt_is_prefilled_on_the_decode_engine(stack):
@@ -184,7 +148,7 @@ def test_very_short_prompt_is_prefilled_on_the_decode_engine(stack):
     tokens, _, final = _call(stack, lambda ch: _stream(ch, request))
     assert len(tokens) == 4 and final.prefill_worker == ""
     assert final.timings.attention_kv_bytes == final.timings.deltanet_state_bytes == 0
-    assert_no_blocks_held(stack[0])
+    assert_no_blocks_held(stack.dep)
 
 
 def _scrape(address: str) -> dict[str, float]:
@@ -211,7 +175,7 @@ def test_metrics_show_every_phase_and_the_transfer(stack):
         assert REGISTRY.get_sample_value(f"pdserve_{name}_seconds_count", bucket) >= 1, name
     assert REGISTRY.get_sample_value("pdserve_actor_kv_blocks_total", {"role": "decode", "actor": "decode-0"}) > 0
 
-    dep = stack[0]
+    dep = stack.dep
     decode = _scrape(ray.get(dep.decode.members[0].actor.metrics_address.remote()))
     assert decode["pdserve_nixl_transfer_seconds_count[]"] >= 1
     assert decode["pdserve_nixl_transfer_bytes_sum[]"] > 0
@@ -238,8 +202,8 @@ def test_tune_apply_resizes_the_pools_through_admin(stack):
     from bench.tuner.cli import _apply
     from bench.tuner.simulator import Placement
 
-    assert _apply(stack[1].address, Placement(prefill=1, decode=1)) == 0
-    assert _apply(stack[1].address, Placement(prefill=0, decode=2)) == 1  # mode switch refused
+    assert _apply(stack.server.address, Placement(prefill=1, decode=1)) == 0
+    assert _apply(stack.server.address, Placement(prefill=0, decode=2)) == 1  # mode switch refused
 
 
 def test_reflection_lists_the_services(stack):
@@ -257,7 +221,7 @@ def test_health_serving_only_while_both_pools_have_a_live_actor(stack):
     """Runs last in this module: it kills the decode actor."""
     import ray
 
-    dep = stack[0]
+    dep = stack.dep
 
     def status():
         async def check(channel):

@@ -16,8 +16,9 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
-from vllm_engine.config import EngineConfig, apply_process_env
+from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_threads, parse_cores
+from vllm_engine.engine import EngineLoad, prepare_process
 from vllm_engine.requests import ModelLimits
 
 if TYPE_CHECKING:
@@ -25,20 +26,12 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    from kv_transfer.layout import StateLayout
+
 # How often an idle loop still steps while a KV connector holds finished requests' blocks
 # (producer waiting for decode's read notification, or a lease to expire).
 _CONNECTOR_POLL_S = 0.001
 _IDLE_WAIT_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    running: int
-    waiting: int  # queued, including requests waiting for remote KV
-    held_for_transfer: int  # finished on this engine, blocks kept for a peer to read
-    free_blocks: int
-    total_blocks: int
-    engine_id: str = ""  # filled in by the worker that owns the engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,16 +45,6 @@ class _Add:
 @dataclass(frozen=True, slots=True)
 class _Abort:
     request_id: str
-
-
-def exit_for_restart(exc: BaseException) -> None:
-    """`on_fatal` for engines inside a supervised process (a Ray actor): die loudly so the
-    supervisor restarts a fresh engine, instead of lingering as a zombie that accepts work."""
-    import os
-    import sys
-
-    print(f"vLLM engine failed, exiting for restart: {exc!r}", file=sys.stderr, flush=True)
-    os._exit(70)
 
 
 class EngineLoop:
@@ -86,13 +69,15 @@ class EngineLoop:
         on_fatal: Callable[[BaseException], None] | None = None,
         stat_loggers: list[Any] | None = None,
     ) -> "EngineLoop":
-        """Build the engine in this process (env first: vLLM reads it at engine creation)."""
-        apply_process_env({**config.process_env(), **(env or {})})
+        """Build the engine in this process (TP ranks, if any, are processes vLLM spawns)."""
+        prepare_process(config, env)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(config.engine_args(kv_transfer_config), stat_loggers=stat_loggers)
-        if config.cpu_cores is not None:
-            confine_threads(parse_cores(config.cpu_cores))  # undo NixlConnector's re-pinning
+        if config.cpu_cores is not None and config.device == "cpu":
+            # Undo NixlConnector's re-pinning of this process's threads (with TP > 1 this
+            # process only schedules; the ranks run the forward on their own cores).
+            confine_threads(parse_cores(cores_of(config.cpu_cores)))
         return cls(engine, on_fatal)
 
     @property
@@ -103,9 +88,11 @@ class EngineLoop:
         hybrid_on_cpu = current_platform.is_cpu() and self._engine.vllm_config.model_config.is_hybrid
         return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
 
-    @property
-    def kv_cache_config(self) -> Any:
-        return self._scheduler.kv_cache_config
+    async def state_layout(self) -> "StateLayout":
+        from kv_transfer.layout import StateLayout
+
+        tp = self._engine.vllm_config.parallel_config.tensor_parallel_size
+        return StateLayout.from_kv_cache_config(self._scheduler.kv_cache_config, tp)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"

@@ -1,0 +1,54 @@
+"""pdserve's vLLM general plugin: settings every process of an engine needs, TP ranks included.
+
+With tensor parallelism the ranks are processes vLLM spawns (and on the async engine path
+the engine core is one too), so anything patched in the actor's own process never reaches
+them. vLLM runs its general plugins (entry point group `vllm.general_plugins`, declared in
+pyproject.toml) in every process it starts, before the model and the KV connector are built;
+`register` reads what the actor put in the environment. The actor's own process calls
+`register` too, after setting the environment (vLLM may have loaded plugins there earlier).
+
+- NIXL's progress thread, asleep in poll() (kv_transfer.progress_thread).
+- CPU only: NixlConnector's worker moves the thread that builds it onto the host's last
+  core; we put that thread (and the NIXL threads it started) back where they were, so each
+  rank keeps the cores its OpenMP threads are bound to.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+# "none": no progress thread; "0": NIXL's spinning thread; N: asleep in poll(), N us at most.
+PROGRESS_POLL_ENV = "PDSERVE_NIXL_PROGRESS_POLL_US"
+
+
+def register() -> None:
+    poll = os.environ.get(PROGRESS_POLL_ENV)
+    if poll is None:  # not a pdserve engine process
+        return
+    from kv_transfer.progress_thread import configure_nixl_progress_thread
+
+    configure_nixl_progress_thread(None if poll == "none" else int(poll))
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        _keep_connector_threads_on_their_cores()
+
+
+def _keep_connector_threads_on_their_cores() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+
+    from vllm_engine.cpu_affinity import confine_threads
+
+    init = NixlBaseConnectorWorker.__init__
+    if getattr(init, "keeps_cpu_affinity", False):
+        return
+
+    @functools.wraps(init)
+    def init_keeping_cores(self, *args, **kwargs) -> None:  # noqa: ANN001
+        cores = os.sched_getaffinity(0)
+        init(self, *args, **kwargs)
+        confine_threads(cores)
+
+    init_keeping_cores.keeps_cpu_affinity = True  # type: ignore[attr-defined]
+    NixlBaseConnectorWorker.__init__ = init_keeping_cores

@@ -1,0 +1,138 @@
+"""Known answers for engine sizing from config.json (no vLLM, no weights)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vllm_engine.plan_cli import main
+from vllm_engine.sizing import KiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine
+
+# Qwen3.5-27B's language model, from its public config.json.
+QWEN35_27B = {
+    "model_type": "qwen3_5_text",
+    "hidden_size": 5120,
+    "num_hidden_layers": 64,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16,
+    "num_attention_heads": 24,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 48,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_conv_kernel_dim": 4,
+    "vocab_size": 248320,
+    "intermediate_size": 17408,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 262144,
+}
+
+
+def qwen_27b(**inputs):
+    return plan_engine(ModelShape.from_config(QWEN35_27B), SizingInputs(device="cuda", **inputs))
+
+
+def test_qwen35_27b_state_sizes():
+    plan = qwen_27b()
+    assert plan.kv_bytes_per_token == 64 * KiB == 65_536
+    assert plan.temporal_bytes_per_request == 144 * MiB == 150_994_944
+    assert plan.conv_bytes_per_request == 48 * 3 * 10240 * 2 == 2_949_120
+    # A multimodal checkpoint nests the same text config.
+    nested = ModelShape.from_config({"model_type": "qwen3_5", "text_config": QWEN35_27B, "vision_config": {}})
+    assert nested == ModelShape.from_config(QWEN35_27B)
+
+
+def test_qwen35_27b_per_rank_at_tp4():
+    plan = qwen_27b(tensor_parallel_size=4)
+    assert plan.kv_bytes_per_token_per_rank == 16 * KiB
+    assert plan.temporal_bytes_per_request_per_rank == 36 * MiB
+    assert plan.conv_bytes_per_request_per_rank == 2_949_120 // 4
+    # One layer's state (9 MiB + 15 KiB / 4 ranks) over 1 KiB per token per layer, in 16s.
+    assert plan.block_size == 784
+    assert (plan.layers_per_group, plan.num_linear_groups, plan.num_full_groups) == (16, 3, 1)
+    assert plan.blocks_for(8192) == 3 + 11
+
+
+def test_qwen35_27b_weights_estimate():
+    weights = qwen_27b().weights_bytes
+    print(f"Qwen3.5-27B weights estimate: {weights:,} B")
+    assert abs(weights - 54e9) < 0.15 * 54e9
+
+
+def test_embedded_model_matches_the_engine(model_path):
+    # Figures measured on the real vLLM CPU engine (tests/test_disaggregated.py, README demo).
+    plan = plan_engine(ModelShape.from_model_dir(model_path), SizingInputs(kv_cache_bytes=256 * MiB, prompt_tokens=25))
+    assert plan.kv_bytes_per_token == 1024
+    assert plan.temporal_bytes_per_request + plan.conv_bytes_per_request == 411_648
+    assert plan.block_size == 256
+    assert (plan.bytes_moved_attention, plan.bytes_moved_state) == (262_144, 411_648)
+    plan.check()
+
+
+def test_plain_attention_and_interval_layouts():
+    llama = ModelShape.from_config({
+        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "vocab_size": 128256, "intermediate_size": 14336, "max_position_embeddings": 8192,
+    })  # Llama-3-8B
+    assert not llama.is_hybrid and llama.head_dim == 128
+    assert abs(llama.param_count() - 8.03e9) < 0.01 * 8.03e9
+    plan = plan_engine(llama, SizingInputs(device="cuda"))
+    assert plan.kv_bytes_per_token == 128 * KiB and plan.block_size == 16 and plan.blocks_for(8192) == 512
+
+    next_80b = ModelShape.from_config({
+        "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "vocab_size": 151936, "intermediate_size": 5120, "num_experts": 512,
+        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144,
+    })  # Qwen3-Next-80B-A3B
+    assert next_80b.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+    assert (next_80b.num_full_layers, next_80b.num_linear_layers) == (12, 36)
+    assert abs(next_80b.param_count() - 80e9) < 0.05 * 80e9
+
+
+def test_tp_that_does_not_split_the_heads_is_refused():
+    with pytest.raises(ValueError) as refused:
+        qwen_27b(tensor_parallel_size=3)
+    message = str(refused.value)
+    for named in ("num_attention_heads 24", "linear_num_key_heads 16", "linear_num_value_heads 48"):
+        assert named in message
+    assert "TP sizes that work: 1, 2, 4, 8" in message
+
+
+def test_kv_cache_too_small_for_one_request_is_refused():
+    shape = ModelShape.from_config(QWEN35_27B)
+    plan = plan_engine(shape, SizingInputs(device="cpu", max_model_len=8192, kv_cache_bytes=64 * MiB))
+    with pytest.raises(SizingError) as refused:
+        plan.check()
+    message = str(refused.value)
+    assert f"needs {plan.blocks_for(8192)} blocks" in message
+    assert f"holds {plan.num_blocks - 1}" in message
+    assert "--kv-cache-bytes" in message
+
+
+def test_cli_prints_both_engines(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN35_27B))
+    assert main(["--config", str(config), "--device", "cuda", "--prefill-tp", "4", "--decode-tp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill engine: cuda, TP 4" in out and "decode engine: cuda, TP 4" in out
+    assert "64 KiB (65,536 B)" in out and "144 MiB (150,994,944 B)" in out
+
+
+def test_cli_exits_2_when_one_request_does_not_fit(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN35_27B))
+    assert main(["--config", str(config), "--kv-cache-bytes", "64MiB"]) == 2
+    assert "blocks" in capsys.readouterr().err
+
+
+def test_sizing_imports_no_heavy_packages():
+    code = (
+        "import sys, vllm_engine.sizing; print(sorted({m.split('.')[0] for m in sys.modules}"
+        " & {'vllm', 'torch', 'ray'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

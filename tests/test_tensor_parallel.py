@@ -1,0 +1,177 @@
+"""Tensor-parallel engines with real vLLM, NIXL and Ray: TP 2 -> 2 served over gRPC (built
+from the same flags as `pdserve serve --prefill-tp 2 --decode-tp 2`), and TP 2 -> 1, each
+against a colocated engine at the decode side's TP, up to the reference's first near-tie.
+
+On CPU each rank is a process of the engine actor with its own core list
+("0|1": rank 0 on core 0, rank 1 on core 1): the same code GPUs run with one GPU per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import psutil
+import pytest
+import ray
+from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
+from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_tokens, make_request, reference_run
+
+from router.client import build_request
+from router.deployment import Deployment, DeploymentConfig
+from vllm_engine.config import EngineSizing
+
+TP2 = EngineSizing(tensor_parallel_size=2)
+
+
+def _deployment_from_flags(model_path: str, *flags: str) -> DeploymentConfig:
+    """The DeploymentConfig `pdserve serve` builds from these flags."""
+    import argparse
+
+    from router.cli import _add_cluster_args, deployment_config_from_args
+
+    parser = argparse.ArgumentParser()
+    _add_cluster_args(parser)
+    return deployment_config_from_args(parser.parse_args(["--model", model_path, *flags]), 1, 1)
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(ray_cluster, engine_config):
+    from decode_worker.actor import DecodeActor
+
+    actor = DecodeActor.remote("colocated-tp2", engine_config.sized(TP2).with_cores("0|1"), None)
+    try:
+        names = ["short", "over_one_block", "long", "x", "y_then_last_of_x"]
+        return {n: run(reference_run(actor, make_request(n, f"ref2-{n}", logprobs=2))) for n in names}
+    finally:
+        ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def served_tp2(ray_cluster, model_path, reference_tp2):
+    config = _deployment_from_flags(model_path, "--prefill-tp", "2", "--decode-tp", "2")
+    assert config.role_engine("prefill").tensor_parallel_size == config.role_engine("decode").tensor_parallel_size == 2
+    served = ServedStack(Deployment(config), model_path)
+    yield served
+    served.close()
+
+
+@pytest.mark.parametrize("name", ["short", "over_one_block", "long"])
+def test_tp2_to_tp2_over_grpc_equals_colocated_tp2(served_tp2, reference_tp2, name):
+    request = build_request(list(PROMPTS[name]), f"tp2-{name}", max_tokens=len(reference_tp2[name].tokens), ignore_eos=True)
+    tokens, _, final = served_tp2.call(lambda ch: stream_tokens(ch, request))
+    assert_matches(tokens, reference_tp2[name])
+    assert final.prefill_worker == "prefill-0" and final.timings.attention_kv_bytes > 0
+    assert_no_blocks_held(served_tp2.dep)
+
+
+def test_tp2_decode_continues_the_transferred_state(served_tp2, reference_tp2):
+    """Control: decode asked for X but handed Y's blocks and state from both ranks continues Y."""
+    dep = served_tp2.dep
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    y_handle = ray.get(prefill.prefill.remote(make_request("y", "tp2-swap-y"))).handle
+    tokens = run(decode_tokens(decode, make_request("x", "tp2-swap-x"), y_handle))
+    assert reference_tp2["x"].decisive[:MIN_COMPARED] != reference_tp2["y_then_last_of_x"].decisive[:MIN_COMPARED]
+    assert_matches(tokens, reference_tp2["y_then_last_of_x"])
+    assert_no_blocks_held(dep)
+
+
+def test_tp2_byte_accounting_covers_every_rank(served_tp2, model_path):
+    """Each rank holds half the heads under the same block ids: the handle counts both halves,
+    so the totals equal the model's whole-request formulas, as at TP 1."""
+    dep = served_tp2.dep
+    prefill = dep.prefill.members[0].actor
+    config = json.loads((Path(model_path) / "config.json").read_text())
+    n_attn = config["layer_types"].count("full_attention")
+    n_gdn = config["layer_types"].count("linear_attention")
+    attn_per_token = n_attn * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
+    key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * 2
+    temporal = config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"] * 4
+    layout = ray.get(prefill.state_layout.remote())
+    assert layout.tensor_parallel_size == 2
+    block = next(g.block_size for g in layout.groups if g.block_size)
+    handle = ray.get(prefill.prefill.remote(make_request("long", "tp2-bytes"))).handle
+    assert handle.bytes.attention_kv == math.ceil(handle.num_tokens / block) * block * attn_per_token
+    assert handle.bytes.deltanet_state == n_gdn * (conv + temporal)
+    assert_no_blocks_held(dep, timeout_s=40)  # never decoded: the lease frees the blocks
+
+
+def test_each_rank_keeps_to_its_own_core(served_tp2):
+    """NixlConnector moves the thread that builds it onto the host's last core, in every rank
+    process; pdserve's vLLM plugin puts it back, so rank 0 stays on core 0 and rank 1 on core 1."""
+    for member in served_tp2.dep.prefill.members + served_tp2.dep.decode.members:
+        actor_pid = ray.get(member.actor.pid.remote())
+        ranks = _rank_processes(actor_pid)
+        assert len(ranks) == 2, (member.name, ranks)
+        homes = []
+        for proc in ranks:
+            affinities = {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}
+            assert len(affinities) == 1, (member.name, proc.pid, affinities)
+            homes.append(next(iter(affinities)))
+        assert sorted(homes, key=min) == [frozenset({0}), frozenset({1})], (member.name, homes)
+
+
+def test_engine_and_its_ranks_share_one_placement_group_on_one_node(served_tp2):
+    from ray.util import placement_group_table
+
+    dep = served_tp2.dep
+    for member in dep.prefill.members + dep.decode.members:
+        table = placement_group_table(dep._placements[member.name])
+        assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
+        bundle_nodes = set(table["bundles_to_node_id"].values())
+        actor_state = ray.util.state.get_actor(member.actor._actor_id.hex())
+        assert actor_state.placement_group_id == table["placement_group_id"]
+        assert bundle_nodes == {actor_state.node_id}
+        # vLLM's ranks are processes of the actor, so they run inside its reservation.
+        assert len(_rank_processes(ray.get(member.actor.pid.remote()))) == 2
+
+
+def test_capacity_is_reported_per_engine(served_tp2):
+    capacities = served_tp2.dep.capacities
+    assert set(capacities) == {"prefill-0", "decode-0"}
+    for capacity in capacities.values():
+        assert capacity.tensor_parallel_size == 2
+        assert capacity.kv_blocks > 0 and capacity.deltanet_state_slots == capacity.kv_blocks
+        assert 1 <= capacity.max_concurrent_max_length_requests <= 16
+
+
+def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, reference):
+    dep = Deployment(DeploymentConfig(engine=engine_config, prefill_sizing=TP2))
+    try:
+        orchestrator = run(dep.start())
+        for name in ["over_one_block", "long"]:
+            tokens, result = run(collect(orchestrator.generate(make_request(name, f"tp21-{name}"))))
+            assert_matches(tokens, reference[name])
+            assert result.prefill_worker == "prefill-0"
+        assert_no_blocks_held(dep)
+    finally:
+        dep.shutdown()
+
+
+def test_unsupported_tp_pairing_is_refused_before_any_engine_starts():
+    with pytest.raises(ValueError, match="one TP size must be a multiple of the other"):
+        DeploymentConfig(prefill_sizing=EngineSizing(tensor_parallel_size=2), decode_sizing=EngineSizing(tensor_parallel_size=3))
+
+
+def test_tp_that_cannot_split_the_heads_is_refused(ray_cluster, engine_config):
+    tp3 = EngineSizing(tensor_parallel_size=3)
+    dep = Deployment(DeploymentConfig(engine=engine_config, prefill_sizing=tp3, decode_sizing=tp3))
+    with pytest.raises(ValueError, match="prefill engine \\(TP 3\\).*heads"):
+        run(dep.start())
+    assert not dep.prefill.members and not dep.decode.members
+
+
+def test_kv_cache_too_small_for_one_request_is_refused_with_the_arithmetic(ray_cluster, engine_config):
+    dep = Deployment(DeploymentConfig(engine=engine_config, decode_sizing=EngineSizing(kv_cache_bytes=4 << 20)))
+    with pytest.raises(ValueError, match=r"decode engine .*one 8,192-token request needs \d+ blocks.*holds \d+.*--kv-cache-bytes"):
+        run(dep.start())
+    assert not dep.prefill.members and not dep.decode.members
+
+
+def _rank_processes(actor_pid: int) -> list[psutil.Process]:
+    """vLLM's TP worker processes under an engine actor (spawned by its mp executor)."""
+    return [p for p in psutil.Process(actor_pid).children(recursive=True) if "VllmWorker" in " ".join(p.cmdline()) or "VllmWorker" in p.name()]

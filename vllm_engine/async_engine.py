@@ -1,0 +1,133 @@
+"""vLLM's AsyncLLM behind the worker's engine interface: the production path on GPUs.
+
+The engine core runs in its own process (vLLM's `EngineCoreProc`, busy loop with async
+scheduling), so the actor's event loop only detokenizes and streams while the GPU steps.
+TP ranks are worker processes of that core. Everything vLLM's own OpenAI server relies on
+is used as is; pdserve adds only two small readers:
+- load reports from the scheduler statistics vLLM hands its stat loggers each step;
+- the KV-cache layout, read on the ranks through a worker extension (`LayoutReporter`),
+  since the scheduler's copy lives in the engine-core process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+from vllm_engine.config import EngineConfig
+from vllm_engine.engine import EngineLoad, prepare_process
+from vllm_engine.requests import ModelLimits
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.outputs import RequestOutput
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from kv_transfer.layout import StateLayout
+
+
+class LayoutReporter:
+    """vLLM worker extension (`worker_extension_cls`): methods callable on every rank."""
+
+    def pdserve_state_layout(self) -> dict[str, Any]:
+        from kv_transfer.layout import StateLayout
+
+        return StateLayout.from_kv_cache_config(self.model_runner.kv_cache_config).to_dict()  # type: ignore[attr-defined]
+
+
+class _LatestSchedulerStats:
+    """A stat logger (vLLM calls `record` with each engine step's scheduler statistics)."""
+
+    def __init__(self) -> None:
+        self.latest: Any = None
+
+    def __call__(self, vllm_config: Any, engine_index: int = 0) -> "_LatestSchedulerStats":
+        return self  # vLLM builds loggers from factories; this one is its own
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+        if scheduler_stats is not None:
+            self.latest = scheduler_stats
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+
+class AsyncEngine:
+    def __init__(
+        self, llm: "AsyncLLM", stats: _LatestSchedulerStats, on_fatal: Callable[[BaseException], None] | None
+    ) -> None:
+        self._llm = llm
+        self._stats = stats
+        self._on_fatal = on_fatal
+        self._layout: StateLayout | None = None
+        # vLLM's pool size as the engine core reported it at start-up (one null block).
+        self._total_blocks = (llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1
+
+    @classmethod
+    def start(
+        cls,
+        config: EngineConfig,
+        kv_transfer_config: Any = None,
+        env: dict[str, str] | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
+        stat_loggers: list[Any] | None = None,
+    ) -> "AsyncEngine":
+        prepare_process(config, env)
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = config.engine_args(kv_transfer_config, worker_extension_cls=f"{__name__}.LayoutReporter")
+        stats = _LatestSchedulerStats()
+        llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *(stat_loggers or [])])
+        return cls(llm, stats, on_fatal)
+
+    @property
+    def limits(self) -> ModelLimits:
+        from vllm.platforms import current_platform
+
+        model_config = self._llm.vllm_config.model_config
+        hybrid_on_cpu = current_platform.is_cpu() and model_config.is_hybrid
+        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
+
+    async def state_layout(self) -> "StateLayout":
+        from kv_transfer.layout import StateLayout
+
+        if self._layout is None:
+            ranks = await self._llm.collective_rpc("pdserve_state_layout")
+            layout = StateLayout.from_dict(ranks[0])
+            self._layout = StateLayout(layout.groups, layout.num_blocks, len(ranks))
+        return self._layout
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
+    ) -> AsyncIterator["RequestOutput"]:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                yield output
+        except EngineDeadError as exc:
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
+            raise
+
+    def load(self) -> EngineLoad:
+        stats = self._stats.latest
+        if stats is None:
+            return EngineLoad(0, 0, 0, self._total_blocks, self._total_blocks)
+        used = round(stats.kv_cache_usage * self._total_blocks)
+        running, waiting = stats.num_running_reqs, stats.num_waiting_reqs + stats.num_skipped_waiting_reqs
+        return EngineLoad(
+            running=running,
+            waiting=waiting,
+            # vLLM's statistics do not count requests held for a peer's read; blocks in use
+            # with nothing running or waiting mean at least one.
+            held_for_transfer=int(used > 0 and not running and not waiting),
+            free_blocks=self._total_blocks - used,
+            total_blocks=self._total_blocks,
+        )
+
+    def shutdown(self) -> None:
+        self._llm.shutdown()

@@ -1,0 +1,418 @@
+"""Engine sizing from a model's config.json alone: weights, KV cache, DeltaNet state, blocks.
+
+Pure arithmetic on the standard library, so `pdserve plan` answers "does this fit, how many
+requests at once, how many bytes per handoff" before any GPU, weights or vLLM import. The
+block rules follow vLLM 0.32's source (cited where used); weights and the GPU activation
+reserve are estimates, everything else is exact for the given inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from vllm_engine.config import EngineConfig
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+FULL, LINEAR = "full_attention", "linear_attention"
+# Qwen3.5 / Qwen3-Next attention projects a sigmoid output gate together with the queries.
+_GATED_ATTENTION_MODELS = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
+
+# Estimate: vLLM profiles activations and CUDA graphs on the real GPU at start-up; this is
+# what the plan holds back for them per GPU when the KV cache is sized from GPU memory.
+CUDA_ACTIVATION_RESERVE_BYTES = 2 * GiB
+# vLLM 0.32's attention block size before hybrid alignment, and the kernel's block multiple:
+# CUDA FlashAttention prefers 16 and takes multiples of 16 (FlashAttentionBackend);
+# CPU starts at 128 (CpuPlatform.check_and_update_config) and takes multiples of 32
+# (CPUAttentionBackend.get_supported_kernel_block_sizes).
+DEFAULT_BLOCK_SIZE = {"cuda": 16, "cpu": 128}
+KERNEL_BLOCK_MULTIPLE = {"cuda": 16, "cpu": 32}
+
+
+class SizingError(ValueError):
+    """An engine cannot hold one max_model_len request with the memory it is given."""
+
+
+def _dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}: use one of {', '.join(DTYPE_BYTES)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """The config.json fields that decide memory. Linear-attention fields are 0 on plain models."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    layer_types: tuple[str, ...]
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attn_output_gate: bool = False
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    num_experts: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ModelShape":
+        config = Path(path) / "config.json"
+        if not config.is_file():
+            raise FileNotFoundError(f"{config} not found: pass a Hugging Face model directory that has a config.json")
+        return cls.from_config(json.loads(config.read_text()))
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "ModelShape":
+        # Multimodal checkpoints (e.g. model_type qwen3_5) nest the language model's config.
+        c = config.get("text_config") or config
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
+                               "intermediate_size", "max_position_embeddings") if k not in c]
+        if missing:
+            raise ValueError(f"config lacks {', '.join(missing)}: pass the config.json of a decoder-only LLM")
+        n_layers = c["num_hidden_layers"]
+        layer_types = tuple(c.get("layer_types") or _layer_types(n_layers, c.get("full_attention_interval")))
+        if len(layer_types) != n_layers or not set(layer_types) <= {FULL, LINEAR}:
+            raise ValueError(
+                f"layer_types must list {n_layers} entries of {FULL!r} or {LINEAR!r}; got {len(layer_types)} "
+                f"({', '.join(sorted(set(layer_types)))})"
+            )
+        heads = c["num_attention_heads"]
+        return cls(
+            hidden_size=c["hidden_size"],
+            num_hidden_layers=n_layers,
+            layer_types=layer_types,
+            num_attention_heads=heads,
+            num_key_value_heads=c.get("num_key_value_heads") or heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+            vocab_size=c["vocab_size"],
+            intermediate_size=c["intermediate_size"],
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            max_position_embeddings=c["max_position_embeddings"],
+            attn_output_gate=bool(c.get("attn_output_gate", c.get("model_type") in _GATED_ATTENTION_MODELS)),
+            **{k: int(c.get(k) or 0) for k in (
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+            )},
+        )
+
+    @property
+    def num_full_layers(self) -> int:
+        return self.layer_types.count(FULL)
+
+    @property
+    def num_linear_layers(self) -> int:
+        return self.layer_types.count(LINEAR)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.num_linear_layers > 0
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the DeltaNet short convolution: q and k (key heads) and v (value heads)."""
+        key_dim = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def param_count(self) -> int:
+        """Estimate: embedding, lm_head, attention/DeltaNet projections and MLP or all MoE
+        experts; norms, biases and a multimodal checkpoint's vision tower are left out."""
+        h = self.hidden_size
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = h * q_dim * (2 if self.attn_output_gate else 1) + 2 * h * kv_dim + q_dim * h
+        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+        # in_proj: q, k, v, z (output gate) and the per-head a, b; conv weights; out_proj.
+        deltanet = (h * (self.linear_conv_dim + value_dim + 2 * self.linear_num_value_heads)
+                    + self.linear_conv_dim * self.linear_conv_kernel_dim + value_dim * h)
+        if self.num_experts:
+            mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
+            if self.shared_expert_intermediate_size:
+                mlp += 3 * h * self.shared_expert_intermediate_size + h  # shared expert + its gate
+        else:
+            mlp = 3 * h * self.intermediate_size  # gate, up, down
+        return (embeddings + self.num_full_layers * attention + self.num_linear_layers * deltanet
+                + self.num_hidden_layers * mlp)
+
+
+def _layer_types(n_layers: int, interval: int | None) -> list[str]:
+    # Every interval-th layer is full attention (Qwen3-Next's full_attention_interval).
+    if not interval:
+        return [FULL] * n_layers
+    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+
+
+@dataclass(frozen=True, slots=True)
+class SizingInputs:
+    """One engine's settings, as passed to vLLM (all memory figures are per GPU / rank)."""
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    tensor_parallel_size: int = 1
+    max_model_len: int = 8192
+    max_num_seqs: int = 16
+    # Explicit KV cache per rank (vLLM's kv_cache_memory_bytes); required on cpu. On cuda,
+    # None sizes it from GPU memory like --gpu-memory-utilization does.
+    kv_cache_bytes: int | None = None
+    gpu_memory_bytes: int = 80 * GiB
+    gpu_memory_utilization: float = 0.9
+    block_size: int | None = None  # None: vLLM's default for the device
+    dtype: str = "bfloat16"  # weights, KV cache and DeltaNet conv state
+    # DeltaNet recurrent state: vLLM's CPU backend forces float32; Qwen3.5 configs ask for it.
+    mamba_ssm_dtype: str = "float32"
+    context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
+    prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    """What one engine holds; `*_per_rank` figures are one GPU's (or CPU engine's) share."""
+
+    shape: ModelShape
+    inputs: SizingInputs
+    weights_bytes: int
+    weights_bytes_per_rank: int
+    kv_bytes_per_token: int
+    kv_bytes_per_token_per_rank: int
+    temporal_bytes_per_request: int
+    temporal_bytes_per_request_per_rank: int
+    conv_bytes_per_request: int
+    conv_bytes_per_request_per_rank: int
+    block_size: int  # attention tokens per block
+    layers_per_group: int  # layers whose pages make up one block
+    num_linear_groups: int  # one state block each per request
+    num_full_groups: int  # ceil(tokens / block_size) blocks each per request
+    page_bytes: int  # one block, per rank
+    kv_cache_bytes_per_rank: int
+    num_blocks: int  # per rank, including vLLM's null block
+
+    def blocks_for(self, tokens: int) -> int:
+        return self.num_linear_groups + self.num_full_groups * math.ceil(tokens / self.block_size)
+
+    @property
+    def usable_blocks(self) -> int:
+        return max(0, self.num_blocks - 1)  # BlockPool keeps one null block back
+
+    def max_requests(self, tokens: int) -> int:
+        return min(self.inputs.max_num_seqs, self.usable_blocks // self.blocks_for(tokens))
+
+    @property
+    def context(self) -> int:
+        return self.inputs.context or self.inputs.max_model_len
+
+    @property
+    def transfer_tokens(self) -> int:
+        # On hybrids prefill stops one token short so decode can compute it from the state
+        # (NixlConnector's _get_remote_prefill_token_count); whole blocks move.
+        tokens = self.inputs.prompt_tokens - (1 if self.shape.is_hybrid else 0)
+        return math.ceil(tokens / self.block_size) * self.block_size
+
+    @property
+    def bytes_moved_attention(self) -> int:
+        return self.transfer_tokens * self.kv_bytes_per_token_per_rank * self.inputs.tensor_parallel_size
+
+    @property
+    def bytes_moved_state(self) -> int:
+        per_rank = self.temporal_bytes_per_request_per_rank + self.conv_bytes_per_request_per_rank
+        return per_rank * self.inputs.tensor_parallel_size
+
+    def check(self) -> None:
+        """Raise SizingError unless one max_model_len request fits, showing the arithmetic."""
+        n = self.inputs.max_model_len
+        needed = self.blocks_for(n)
+        if self.usable_blocks >= needed:
+            return
+        fix = ("raise --kv-cache-bytes" if self.inputs.device == "cpu"
+               else "raise --gpu-memory-utilization (or --kv-cache-bytes, or TP)")
+        raise SizingError(
+            f"one {n:,}-token request needs {needed:,} blocks "
+            f"({self.num_linear_groups} DeltaNet + {self.num_full_groups} x ceil({n:,} / {self.block_size}) attention) "
+            f"but the KV cache holds {self.usable_blocks:,}: {self.kv_cache_bytes_per_rank:,} B per rank "
+            f"// {self.page_bytes:,} B per block = {self.num_blocks:,} blocks, less vLLM's null block. "
+            f"Needs at least {(needed + 1) * self.page_bytes:,} B per rank: {fix}, or lower --max-model-len."
+        )
+
+
+def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
+    """Size one engine. Raises ValueError for settings vLLM would refuse; call `check()`
+    on the result to know whether one max_model_len request fits."""
+    if shape.num_full_layers == 0:
+        raise ValueError("the model has no full-attention layers: pure recurrent models are not sized here")
+    if inputs.max_model_len > shape.max_position_embeddings:
+        raise ValueError(f"--max-model-len {inputs.max_model_len:,} exceeds the model's "
+                         f"max_position_embeddings {shape.max_position_embeddings:,}: lower it")
+    tp = inputs.tensor_parallel_size
+    _check_tp(shape, tp)
+    dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(inputs.mamba_ssm_dtype)
+
+    # Fewer KV heads than ranks: each rank keeps one replicated head (ModelConfig.get_num_kv_heads).
+    kv_heads_per_rank = max(1, shape.num_key_value_heads // tp)
+    attn_token_layer = 2 * kv_heads_per_rank * shape.head_dim * dtype  # K and V, one layer, one token
+    head_state = shape.linear_key_head_dim * shape.linear_value_head_dim * ssm_dtype  # one value head's matrix
+    temporal_layer = shape.linear_num_value_heads // tp * head_state
+    conv_layer = (shape.linear_conv_kernel_dim - 1) * (shape.linear_conv_dim // tp) * dtype
+    state_layer = temporal_layer + conv_layer
+    n_full, n_linear = shape.num_full_layers, shape.num_linear_layers
+
+    block_size = _block_size(inputs, state_layer, attn_token_layer) if shape.is_hybrid else (
+        inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device])
+    # vLLM pads the state page up to the attention page, so every layer's page is the same.
+    layers_per_group = _layers_per_group([n for n in (n_full, n_linear) if n])
+    page_bytes = layers_per_group * block_size * attn_token_layer
+
+    weights = shape.param_count() * dtype
+    kv_cache = _kv_cache_bytes(inputs, weights // tp)
+    return EnginePlan(
+        shape=shape,
+        inputs=inputs,
+        weights_bytes=weights,
+        weights_bytes_per_rank=weights // tp,
+        kv_bytes_per_token=n_full * 2 * shape.num_key_value_heads * shape.head_dim * dtype,
+        kv_bytes_per_token_per_rank=n_full * attn_token_layer,
+        temporal_bytes_per_request=n_linear * shape.linear_num_value_heads * head_state,
+        temporal_bytes_per_request_per_rank=n_linear * temporal_layer,
+        conv_bytes_per_request=n_linear * (shape.linear_conv_kernel_dim - 1) * shape.linear_conv_dim * dtype,
+        conv_bytes_per_request_per_rank=n_linear * conv_layer,
+        block_size=block_size,
+        layers_per_group=layers_per_group,
+        num_linear_groups=math.ceil(n_linear / layers_per_group),
+        num_full_groups=math.ceil(n_full / layers_per_group),
+        page_bytes=page_bytes,
+        kv_cache_bytes_per_rank=kv_cache,
+        num_blocks=kv_cache // page_bytes,
+    )
+
+
+def _check_tp(shape: ModelShape, tp: int) -> None:
+    def works(t: int) -> bool:
+        kv = shape.num_key_value_heads
+        return (shape.num_attention_heads % t == 0
+                and shape.linear_num_key_heads % t == 0 and shape.linear_num_value_heads % t == 0
+                # KV heads split evenly, or are replicated evenly (QKVParallelLinear).
+                and (kv % t == 0 if t <= kv else t % kv == 0))
+
+    if tp < 1:
+        raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
+    if not works(tp):
+        sizes = [t for t in range(1, shape.num_attention_heads + 1) if works(t)]
+        raise ValueError(
+            f"tensor parallel size {tp} does not split the model's heads evenly: "
+            f"num_attention_heads {shape.num_attention_heads}, num_key_value_heads {shape.num_key_value_heads}, "
+            f"linear_num_key_heads {shape.linear_num_key_heads}, "
+            f"linear_num_value_heads {shape.linear_num_value_heads}; "
+            f"TP sizes that work: {', '.join(map(str, sizes))}"
+        )
+
+
+def _block_size(inputs: SizingInputs, state_layer: int, attn_token_layer: int) -> int:
+    """Attention tokens per block on a hybrid, as vLLM 0.32's
+    Platform._align_hybrid_block_size (vllm/platforms/interface.py) sets it: the smallest
+    multiple of max(kernel block multiple, starting block size) whose attention page holds
+    one layer's DeltaNet state, then rounded up to the kernel multiple."""
+    start = inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device]
+    kernel = KERNEL_BLOCK_MULTIPLE[inputs.device]
+    align = max(kernel, start)
+    aligned = align * math.ceil(state_layer / (align * attn_token_layer))
+    return max(start, kernel * math.ceil(aligned / kernel))
+
+
+def _layers_per_group(layer_counts: list[int]) -> int:
+    # vLLM's _get_kv_cache_groups_uniform_page_size (vllm/v1/core/kv_cache_utils.py): every
+    # KV-cache group holds the same number of layers, the rarest type's count (e.g. the
+    # full-attention layers of a 3:1 hybrid), or the commonest's when counts are within 1.5x.
+    fewest, most = min(layer_counts), max(layer_counts)
+    return most if most < fewest * 1.5 else fewest
+
+
+def _kv_cache_bytes(inputs: SizingInputs, weights_per_rank: int) -> int:
+    if inputs.kv_cache_bytes is not None:
+        return inputs.kv_cache_bytes
+    if inputs.device == "cpu":
+        raise ValueError("on cpu the KV cache size must be given: pass --kv-cache-bytes (e.g. 256MiB)")
+    budget = int(inputs.gpu_memory_bytes * inputs.gpu_memory_utilization)
+    kv = budget - weights_per_rank - CUDA_ACTIVATION_RESERVE_BYTES
+    if kv <= 0:
+        raise SizingError(
+            f"no GPU memory left for the KV cache: {inputs.gpu_memory_bytes:,} B x {inputs.gpu_memory_utilization} "
+            f"= {budget:,} B, less weights {weights_per_rank:,} B per rank and the activation reserve "
+            f"{CUDA_ACTIVATION_RESERVE_BYTES:,} B: raise --gpu-memory-utilization or the tensor parallel size"
+        )
+    return kv
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if n >= scale:
+            return f"{n / scale:,.2f}".rstrip("0").rstrip(".") + f" {unit} ({n:,} B)"
+    return f"{n:,} B"
+
+
+def render_plan(plan: EnginePlan, title: str = "engine") -> str:
+    """A readable two-column table of one engine's plan."""
+    i = plan.inputs
+
+    def total_and_rank(total: int, per_rank: int, per: str = "") -> str:
+        return f"{_size(total)}{per}; per rank {_size(per_rank)}"
+
+    rows = [
+        ("weights (estimate)", total_and_rank(plan.weights_bytes, plan.weights_bytes_per_rank)),
+        ("attention KV per token", total_and_rank(plan.kv_bytes_per_token, plan.kv_bytes_per_token_per_rank)),
+    ]
+    if plan.shape.is_hybrid:
+        rows.append((f"DeltaNet temporal state ({i.mamba_ssm_dtype})", total_and_rank(
+            plan.temporal_bytes_per_request, plan.temporal_bytes_per_request_per_rank, " per request")))
+        rows.append((f"DeltaNet conv state ({i.dtype})", total_and_rank(
+            plan.conv_bytes_per_request, plan.conv_bytes_per_request_per_rank, " per request")))
+        groups = f"{plan.num_linear_groups} DeltaNet + {plan.num_full_groups} attention groups"
+    else:
+        groups = "1 attention group"
+    kv_source = "" if i.kv_cache_bytes is not None else (
+        f" ({i.gpu_memory_bytes / GiB:g} GiB x {i.gpu_memory_utilization} - weights - "
+        f"{CUDA_ACTIVATION_RESERVE_BYTES / GiB:g} GiB activation reserve, estimate)")
+    rows.append(("KV cache per rank", _size(plan.kv_cache_bytes_per_rank) + kv_source))
+    rows.append(("block", f"{plan.block_size:,} tokens; {groups} of {plan.layers_per_group} layers; "
+                          f"page {_size(plan.page_bytes)}"))
+    rows.append(("blocks per rank", f"{plan.num_blocks:,} (one is vLLM's null block)"))
+    rows.append((f"blocks per {i.max_model_len:,}-token request", f"{plan.blocks_for(i.max_model_len):,}"))
+    for n in dict.fromkeys((i.max_model_len, plan.context)):  # once when they are equal
+        rows.append((f"max concurrent requests at {n:,} tokens", f"{plan.max_requests(n):,} (blocks allow "
+                     f"{plan.usable_blocks // plan.blocks_for(n):,}, max_num_seqs {i.max_num_seqs})"))
+    moved = plan.bytes_moved_attention + plan.bytes_moved_state
+    rows.append((f"bytes moved, {i.prompt_tokens:,}-token prompt", f"{moved:,} = attention KV "
+                 f"{plan.bytes_moved_attention:,} + DeltaNet state {plan.bytes_moved_state:,} (all ranks)"))
+    width = max(len(label) for label, _ in rows)
+    header = f"{title}: {i.device}, TP {i.tensor_parallel_size}, max_model_len {i.max_model_len:,}"
+    return "\n".join([header, *(f"  {label:<{width}}  {value}" for label, value in rows)])
+
+
+def plan_for(config: "EngineConfig", shape: ModelShape, gpu_memory_bytes: int = 80 * GiB) -> EnginePlan:
+    """The plan of an engine pdserve is about to start with this configuration."""
+    return plan_engine(
+        shape,
+        SizingInputs(
+            device=config.device,
+            tensor_parallel_size=config.tensor_parallel_size,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
+            kv_cache_bytes=config.kv_cache_memory_bytes,
+            gpu_memory_bytes=gpu_memory_bytes,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            dtype=config.dtype,
+        ),
+    )
