@@ -9,6 +9,13 @@ prefill/decode throughput ratio and the knee, and writes the probe JSON the rati
 its performance model to.
 
     pdserve probe [--out bench/results/probe.json]     (or python -m bench.probe)
+    pdserve probe --address HEAD:6379 --device cuda --prefill-tp 4 --decode-tp 4
+
+On a cluster (`--address`) the engines are placed like `pdserve serve` places them, by the
+pools' Ray resources: the handoff pair on the cluster's own prefill and decode nodes; the
+colocated engines that measure prefill (at the prefill TP) and decode (at the decode TP)
+apart on decode-pool nodes. The JSON records device and TP sizes: `pdserve tune` plans in
+engines of those sizes and `--apply` refuses a live deployment of other sizes.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import json
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -30,9 +37,9 @@ import ray
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
 from router.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import start_local
+from router.ray_cluster import join, start_local
 from router.server import RouterServer
-from vllm_engine.config import EngineConfig, resolve_model
+from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 from vllm_engine.requests import GenerateRequest, SamplingConfig
 
 # Decode throughput that grows by less than this from one batch size to the next has
@@ -43,6 +50,9 @@ SCALING_THRESHOLD = 1.15
 @dataclass(frozen=True, slots=True)
 class ProbeConfig:
     model: str = "embedded"
+    device: str = "cpu"
+    prefill_tp: int = 1
+    decode_tp: int = 1
     prompt_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
     prefill_batches: tuple[int, ...] = (1, 4)
     decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -65,6 +75,8 @@ class ProbeResult:
     serving: list[dict] = field(default_factory=list)
     # CPU engines only: busy cores outside the engines against tokens streamed per second.
     host_cpu: dict | None = None
+    # What was measured: {"device", "prefill_tp", "decode_tp"} (engines of these sizes).
+    engines: dict = field(default_factory=dict)
 
     def prefill_tokens_per_s(self) -> float:
         return max(p["batch_tokens"] / p["seconds"] for p in self.prefill)
@@ -205,17 +217,33 @@ async def probe_transfer(channel: grpc.aio.Channel, config: ProbeConfig, result:
 async def run_probe(config: ProbeConfig) -> ProbeResult:
     import platform
 
-    engine = EngineConfig(model=resolve_model(config.model))
-    result = ProbeResult(hardware=f"{platform.machine()} {platform.processor() or 'cpu'}", model=engine.model)
-    # One colocated engine, large enough batches to find the knee, on one core as deployed.
-    colocated = DeploymentConfig(engine=replace(engine, max_num_seqs=max(config.decode_batches)), num_prefill=0)
-    async with _served(colocated) as (deployment, channel):
-        actor = deployment.decode.members[0].actor
-        if colocated.cpu_cores and engine.device == "cpu":  # engines share the host's cores
-            result.host_cpu = {"engine_cores": len(colocated.cpu_cores), "rows": []}
-        await probe_prefill(actor, config, result)
-        await probe_decode(channel, [await actor.pid.remote()], config, result)
-    async with _served(DeploymentConfig(engine=engine)) as (deployment, channel):
+    engine = EngineConfig(model=resolve_model(config.model), device=config.device)
+    result = ProbeResult(
+        hardware=f"{platform.machine()} {platform.processor() or 'cpu'}",
+        model=engine.model,
+        engines={"device": config.device, "prefill_tp": config.prefill_tp, "decode_tp": config.decode_tp},
+    )
+    # Colocated engines, with batches large enough to find the knee, placed as deployed:
+    # prefill measured at the prefill TP, decode at the decode TP (one engine when equal).
+    stages = {config.prefill_tp: ["prefill"], config.decode_tp: []}
+    stages[config.decode_tp].append("decode")
+    for tp, measures in stages.items():
+        sizing = EngineSizing(tensor_parallel_size=tp, max_num_seqs=max(config.decode_batches))
+        colocated = DeploymentConfig(engine=engine, num_prefill=0, decode_sizing=sizing)
+        async with _served(colocated) as (deployment, channel):
+            actor = deployment.decode.members[0].actor
+            if "prefill" in measures:
+                await probe_prefill(actor, config, result)
+            if "decode" in measures:
+                if colocated.cpu_cores and engine.device == "cpu":  # engines share the host's cores
+                    result.host_cpu = {"engine_cores": len(colocated.cpu_cores), "rows": []}
+                await probe_decode(channel, [await actor.pid.remote()], config, result)
+    pair = DeploymentConfig(
+        engine=engine,
+        prefill_sizing=EngineSizing(tensor_parallel_size=config.prefill_tp),
+        decode_sizing=EngineSizing(tensor_parallel_size=config.decode_tp),
+    )
+    async with _served(pair) as (deployment, channel):
         layout = await deployment.prefill.members[0].actor.state_layout.remote()
         result.layout = {
             "attention_kv_bytes_per_token": layout.attention_kv_bytes_per_token,
@@ -228,7 +256,9 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
 def report(result: ProbeResult) -> str:
     prefill = result.prefill_tokens_per_s()
     decode = result.decode_tokens_per_s(1)
+    e = result.engines
     lines = [
+        f"engines: {e.get('device', 'cpu')}, prefill TP {e.get('prefill_tp', 1)}, decode TP {e.get('decode_tp', 1)}",
         f"prefill: {prefill:,.0f} prompt tokens/s (best pass)",
         f"decode:  {decode:,.1f} tokens/s at batch 1; by batch: "
         + ", ".join(f"{d['batch_size']}: {d['batch_size'] / d['step_seconds']:,.0f}" for d in result.decode),
@@ -252,13 +282,22 @@ def report(result: ProbeResult) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="pdserve probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="embedded")
+    parser.add_argument("--address", default=None, help="probe this Ray cluster's nodes instead of a local cluster")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the prefill engines")
+    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode engines")
     parser.add_argument("--out", type=Path, default=Path("bench/results/probe.json"))
     args = parser.parse_args(argv)
-    if not ray.is_initialized():
+    if args.address:
+        join(args.address)
+    elif not ray.is_initialized():
         start_local()
-    result = asyncio.run(run_probe(ProbeConfig(model=args.model)))
+    config = ProbeConfig(model=args.model, device=args.device, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+    result = asyncio.run(run_probe(config))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(asdict(result), indent=2))
     print(report(result))

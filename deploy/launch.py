@@ -8,7 +8,11 @@ On your machine it only copies itself to the head with `ray submit` and runs the
 the pools from the pdserve_prefill / pdserve_decode slots those nodes offer (one engine per
 slot) unless --prefill/--decode are given, starts `pdserve serve --address auto` detached
 (log in ~/pdserve-serve.log), and returns once the router's gRPC health check says SERVING.
-SERVE_ARGS go to `pdserve serve` unchanged (e.g. --model DIR --device cuda).
+
+On GPU nodes each engine gets its node's GPUs per slot as its tensor-parallel size (an
+8-GPU node with 2 slots: TP 4), and GPU sizing defaults: `pdserve serve` is started with
+--device cuda --prefill-tp 4 --decode-tp 4 --gpu-memory-utilization 0.9 --max-model-len 32768.
+SERVE_ARGS come after those and override them, flag by flag (e.g. --model DIR --max-model-len 8192).
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from pathlib import Path
 
 SERVE_LOG = "pdserve-serve.log"
 SERVE_PID = "pdserve-serve.pid"
+POOLS = ("prefill", "decode")
+# GPU engines' sizing unless SERVE_ARGS say otherwise: vLLM may take 90% of each GPU, and a
+# request may be up to 32k tokens long (`pdserve plan` shows what that costs per engine).
+GPU_SIZING = ["--gpu-memory-utilization", "0.9", "--max-model-len", "32768"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,24 +105,26 @@ def _start(args: argparse.Namespace, serve_args: list[str], home: Path) -> int:
         print(f"pdserve serve already runs on the head (pid {pid}); --stop it first", file=sys.stderr)
         return 1
     deadline = time.monotonic() + args.timeout
+    # Waited for even when both counts are given: the nodes' GPUs decide the engines' TP size.
+    try:
+        nodes = _wait_for_pool_nodes(args.workers, deadline)
+        device_args = gpu_serve_args(nodes)
+    except (TimeoutError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 1
+    for address, node in sorted(nodes.items()):
+        offers = [f"{node[pool]} {pool} slot(s)" for pool in POOLS if node[pool]]
+        print(f"node {address}: " + ", ".join(offers + ([f"{node['gpus']} GPU(s)"] if node["gpus"] else [])))
     counts = {"prefill": args.prefill, "decode": args.decode}
-    if None in counts.values():
-        try:
-            slots = _wait_for_pool_nodes(args.workers, deadline)
-        except TimeoutError as e:
-            print(e, file=sys.stderr)
-            return 1
-        for address, pools in sorted(slots.items()):
-            print(f"node {address}: " + ", ".join(f"{n} {pool} slot(s)" for pool, n in pools.items() if n))
-        for pool, n in counts.items():
-            if n is None:
-                counts[pool] = sum(p[pool] for p in slots.values())
-                if not counts[pool]:
-                    print(f"no worker node offers {pool} slots (`ray status`)", file=sys.stderr)
-                    return 1
+    for pool, n in counts.items():
+        if n is None:
+            counts[pool] = sum(node[pool] for node in nodes.values())
+            if not counts[pool]:
+                print(f"no worker node offers {pool} slots (`ray status`)", file=sys.stderr)
+                return 1
     prefill, decode = counts["prefill"], counts["decode"]
     cmd = [_tool("pdserve"), "serve", "--address", "auto", "--prefill", str(prefill), "--decode", str(decode)]
-    cmd += ["--listen", args.listen, *serve_args]
+    cmd += ["--listen", args.listen, *device_args, *serve_args]  # argparse: the later flag wins
     print("starting: " + shlex.join(cmd))
     with open(home / SERVE_LOG, "ab") as log:
         # Own session: it must outlive this SSH session (and its hang-up).
@@ -130,8 +140,23 @@ def _start(args: argparse.Namespace, serve_args: list[str], home: Path) -> int:
     return 1
 
 
+def gpu_serve_args(nodes: dict[str, dict[str, int]]) -> list[str]:
+    """`pdserve serve` flags for the pool nodes' GPUs: each pool's TP size is its nodes' GPUs
+    per slot (the fewest over its nodes, so an engine fits on any of them); none on CPU nodes."""
+    if not any(n["gpus"] for n in nodes.values()):
+        return []
+    per_slot = {pool: {n["gpus"] // n[pool] for n in nodes.values() if n[pool]} for pool in POOLS}
+    if 0 in set().union(*per_slot.values()):
+        raise ValueError(
+            f"a pool node has fewer GPUs than slots, or none beside GPU nodes: {nodes}. pdserve runs every "
+            "engine on one device: give each pool node at least one GPU per slot (or no node any GPU)"
+        )
+    tp = [arg for pool, sizes in per_slot.items() if sizes for arg in (f"--{pool}-tp", str(min(sizes)))]
+    return ["--device", "cuda", *tp, *GPU_SIZING]
+
+
 def _wait_for_pool_nodes(workers: int, deadline: float) -> dict[str, dict[str, int]]:
-    """Pool slots per node address, once `workers` nodes offer a pool resource."""
+    """Pool slots and GPUs per node address, once `workers` nodes offer a pool resource."""
     import ray
 
     from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
@@ -139,18 +164,19 @@ def _wait_for_pool_nodes(workers: int, deadline: float) -> dict[str, dict[str, i
     ray.init(address="auto", log_to_driver=False)
     try:
         while True:
-            slots = {
+            nodes = {
                 n["NodeManagerAddress"]: {
                     "prefill": int(n["Resources"].get(PREFILL_RESOURCE, 0)),
                     "decode": int(n["Resources"].get(DECODE_RESOURCE, 0)),
+                    "gpus": int(n["Resources"].get("GPU", 0)),
                 }
                 for n in ray.nodes()
                 if n["Alive"] and (PREFILL_RESOURCE in n["Resources"] or DECODE_RESOURCE in n["Resources"])
             }
-            if len(slots) >= workers:
-                return slots
+            if len(nodes) >= workers:
+                return nodes
             if time.monotonic() > deadline:
-                raise TimeoutError(f"only {len(slots)} of {workers} worker nodes joined in time (`ray status`)")
+                raise TimeoutError(f"only {len(nodes)} of {workers} worker nodes joined in time (`ray status`)")
             time.sleep(2)
     finally:
         ray.shutdown()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from dataclasses import dataclass, field
 
 import ray
@@ -113,6 +114,7 @@ class Deployment:
         self._next_core = 0  # CPU cores are handed out in turn
         self._named = {"prefill": 0, "decode": 0}  # actor names are never reused
         self._placements: dict[str, PlacementGroup] = {}
+        self._id = uuid.uuid4().hex[:8]  # placement group names stay unique across deployments
 
     async def start(self) -> Orchestrator:
         cfg = self.config
@@ -126,13 +128,27 @@ class Deployment:
         await self.orchestrator.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
         return self.orchestrator
 
-    async def resize(self, num_prefill: int, num_decode: int, drain_timeout_s: float = 300.0) -> tuple[int, int]:
+    async def resize(
+        self,
+        num_prefill: int,
+        num_decode: int,
+        tensor_parallel: tuple[int, int] | None = None,
+        drain_timeout_s: float = 300.0,
+    ) -> tuple[int, int]:
         """Grow or shrink the live pools. New actors are handshaken before they take traffic;
-        a removed actor first stops getting new requests, finishes the ones it has, then goes."""
+        a removed actor first stops getting new requests, finishes the ones it has, then goes.
+        `tensor_parallel`: the (prefill, decode) TP sizes a plan assumes, checked against ours."""
         if self.orchestrator is None:
             raise RuntimeError("start() the deployment first")
         if (num_prefill == 0) != self.orchestrator.colocated or num_decode < 1:
             raise ValueError("resize keeps the serving mode: prefill 0 (colocated) stays 0, and decode >= 1")
+        ours = tuple(self.config.role_engine(role).tensor_parallel_size for role in ("prefill", "decode"))
+        if tensor_parallel is not None and tensor_parallel != ours:
+            raise ValueError(
+                f"the plan is for TP {tensor_parallel[0]} prefill / {tensor_parallel[1]} decode engines, this deployment "
+                f"runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
+                f"--decode-tp {tensor_parallel[1]}, or tune with the live engines' sizes"
+            )
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))
         added += self._add(self.decode, num_decode - len(self.decode.members))
         await self._ready(added)
@@ -188,7 +204,7 @@ class Deployment:
             self._next_core += engine.tensor_parallel_size
             gpus = engine.tensor_parallel_size if engine.device == "cuda" else 0
             bundle = {resource: 1.0, **({"GPU": float(gpus)} if gpus else {})}
-            placement = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{name}")
+            placement = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{name}-{self._id}")
             self._placements[name] = placement
             actor = actor_class.options(
                 name=name,

@@ -68,7 +68,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
-Scaler = Callable[[int, int], Awaitable[tuple[int, int]]]
+# (prefill, decode, TP sizes the caller's plan assumes or None) -> new pool sizes.
+Scaler = Callable[[int, int, "tuple[int, int] | None"], Awaitable[tuple[int, int]]]
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -79,7 +80,8 @@ class AdminService(pb_grpc.AdminServicer):
         if self._scale is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router does not own its pools")
         try:
-            prefill, decode = await self._scale(request.prefill, request.decode)
+            tensor_parallel = (request.prefill_tp, request.decode_tp) if request.prefill_tp or request.decode_tp else None
+            prefill, decode = await self._scale(request.prefill, request.decode, tensor_parallel)
         except ValueError as err:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
         return pb.PoolSizes(prefill=prefill, decode=decode)

@@ -32,11 +32,15 @@ PROMPTS = {
 # What decode must produce if it really continues Y's transferred state while being
 # asked for X: prefill holds N-1 tokens of Y, decode feeds X's last token.
 PROMPTS["y_then_last_of_x"] = PROMPTS["y"][:-1] + PROMPTS["x"][-1:]
+# The same proof at TP 2, whose bf16 reductions differ: a Y whose TP-2 continuation of X's
+# last token has 15 decisive tokens (17/2's has 8).
+TP2_PROMPTS = {"y_tp2": prompt_of(37, 3, 400)}
+TP2_PROMPTS["y_tp2_then_last_of_x"] = TP2_PROMPTS["y_tp2"][:-1] + PROMPTS["x"][-1:]
 
 
 def make_request(name: str, request_id: str | None = None, logprobs: int = 0) -> GenerateRequest:
     return GenerateRequest(
-        request_id or name, PROMPTS[name], SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+        request_id or name, {**PROMPTS, **TP2_PROMPTS}[name], SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
     )
 
 

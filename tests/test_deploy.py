@@ -68,8 +68,10 @@ def test_aws_node_types_keep_each_pool_on_its_own_nodes():
         assert len(pools) <= 1, f"{name} offers both pools"
         for pool in pools:
             offered.setdefault(pool, []).append(name)
-            # The launcher starts an engine per slot of the nodes the cluster starts with.
+            # The launcher starts an engine per slot of the nodes the cluster starts with,
+            # each on the node's GPUs per slot (its TP size).
             assert node_type["resources"][pool] >= 1 and node_type.get("min_workers", 0) >= 1, name
+            assert node_type["resources"]["GPU"] % node_type["resources"][pool] == 0, name
             assert node_type["min_workers"] <= node_type["max_workers"], name  # Ray checks only the sum
     assert set(offered) == set(POOLS)
     starting = sum(t.get("min_workers", 0) for t in types.values())
@@ -110,15 +112,21 @@ def test_onprem_workers_join_the_pool_their_address_is_listed_in(tmp_path):
         assert f"--node-ip-address={ip}" in start
         slots = _resources(start)
         assert len(slots) == 1 and list(slots.values()) == [1], "a CPU-only host offers one slot of one pool"
+        assert "--num-gpus=0" in start, "a CPU-only host declares no GPUs, whatever Ray would detect"
         pools.update(slots)
     assert pools == set(POOLS), "both pools need hosts"
 
 
-def test_onprem_gpu_host_offers_a_slot_per_gpu_and_strangers_are_refused(tmp_path):
+def test_onprem_8_gpu_host_carries_two_tp4_engines_and_strangers_are_refused(tmp_path):
     config = load("onprem.yaml")
     provider, commands = config["provider"], config["worker_start_ray_commands"]
-    (start,) = _ray_start(_run_start_commands(commands, provider["worker_ips"][0], provider["head_ip"], tmp_path, gpus=8))
-    assert list(_resources(start).values()) == [8]
+    host = provider["worker_ips"][0]
+    (start,) = _ray_start(_run_start_commands(commands, host, provider["head_ip"], tmp_path, gpus=8))
+    assert list(_resources(start).values()) == [2] and "--num-gpus=8" in start
+
+    too_few = _run_start_commands(commands, host, provider["head_ip"], tmp_path, gpus=2)
+    assert too_few[-1].returncode != 0
+    assert f"worker {host} has 2 GPU(s), fewer than one engine's ENGINE_GPUS=4" in too_few[-1].stderr
 
     stranger = _run_start_commands(commands, "10.99.99.99", provider["head_ip"], tmp_path)
     assert stranger[-1].returncode != 0
@@ -157,3 +165,69 @@ def test_launch_hands_its_arguments_to_the_head_intact(monkeypatch):
     assert on_head[on_head.index("--workers") + 1] == str(workers) and "--prefill=3" in on_head
     assert not any(a.startswith("--decode") for a in on_head)
     assert on_head[on_head.index("--") + 1 :] == ["--model", "/models/a model", "--device", "cuda"]
+
+
+def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str]):
+    """Runs launch.py's head side against `nodes` (no Ray, no process started); returns the
+    `pdserve serve` arguments as pdserve's own parser reads them, and the printed output."""
+    launch = load_launch()
+    started = []
+
+    class Started:
+        pid = 4242
+
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # the pid file and log go to the head's home
+    monkeypatch.setattr(launch, "_wait_for_pool_nodes", lambda workers, deadline: nodes)
+    monkeypatch.setattr(launch.subprocess, "Popen", Started)
+    monkeypatch.setattr(launch, "_wait_serving", lambda proc, listen, deadline: True)
+    assert launch.main(["--on-head", "--workers", str(len(nodes)), "--", *serve_args]) == 0
+    (cmd,) = started
+    assert cmd[1] == "serve"
+
+    from router import cli
+
+    parsed = []
+
+    async def serve(args):
+        parsed.append(args)
+        return 0
+
+    monkeypatch.setattr(cli, "_serve", serve)
+    assert cli.main(cmd[1:]) == 0
+    return parsed[0]
+
+
+def _aws_nodes() -> dict:
+    """What Ray reports for aws-h100.yaml's starting worker nodes (their types' resources)."""
+    types = load("aws-h100.yaml")["available_node_types"]
+    nodes = {}
+    for name, node_type in types.items():
+        r = node_type["resources"]
+        for i in range(node_type.get("min_workers", 0)):
+            nodes[f"{name}-{i}"] = {"prefill": r.get(PREFILL_RESOURCE, 0), "decode": r.get(DECODE_RESOURCE, 0), "gpus": r["GPU"]}
+    return nodes
+
+
+def test_launch_gives_each_aws_engine_a_tp4_share_of_its_8_gpu_node(monkeypatch, tmp_path, capsys):
+    args = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), ["--model", "/models/m", "--max-model-len", "8192"])
+    assert (args.prefill, args.decode) == (2, 2), "two engines per node, one node per pool"
+    assert (args.device, args.prefill_tp, args.decode_tp) == ("cuda", 4, 4)
+    assert args.gpu_memory_utilization == 0.9 and args.model == "/models/m"
+    assert args.max_model_len == 8192, "the user's arguments override launch.py's defaults"
+    assert "node prefill-0: 2 prefill slot(s), 8 GPU(s)" in capsys.readouterr().out
+
+
+def test_launch_on_cpu_nodes_adds_no_gpu_flags(monkeypatch, tmp_path):
+    nodes = {"10.0.0.11": {"prefill": 1, "decode": 0, "gpus": 0}, "10.0.0.12": {"prefill": 0, "decode": 1, "gpus": 0}}
+    args = _launch_on_head(monkeypatch, tmp_path, nodes, ["--model", "/models/m"])
+    assert (args.prefill, args.decode, args.device, args.prefill_tp, args.decode_tp) == (1, 1, "cpu", 1, 1)
+    assert args.max_model_len == 8192  # pdserve's own default
+
+
+def test_launch_refuses_pools_that_mix_gpu_and_cpu_nodes():
+    launch = load_launch()
+    with pytest.raises(ValueError, match="one device"):
+        launch.gpu_serve_args({"a": {"prefill": 2, "decode": 0, "gpus": 8}, "b": {"prefill": 0, "decode": 1, "gpus": 0}})

@@ -51,4 +51,6 @@ def test_probe_measures_prefill_decode_and_transfer(ray_cluster, model_path, tmp
         "layout",
         "serving",
         "host_cpu",
+        "engines",
     }
+    assert result.engines == {"device": "cpu", "prefill_tp": 1, "decode_tp": 1}

@@ -43,7 +43,7 @@ def reference_tp2(ray_cluster, engine_config):
 
     actor = DecodeActor.remote("colocated-tp2", engine_config.sized(TP2).with_cores("0|1"), None)
     try:
-        names = ["short", "over_one_block", "long", "x", "y_then_last_of_x"]
+        names = ["short", "over_one_block", "long", "x", "y_tp2_then_last_of_x"]
         return {n: run(reference_run(actor, make_request(n, f"ref2-{n}", logprobs=2))) for n in names}
     finally:
         ray.kill(actor, no_restart=True)
@@ -71,10 +71,10 @@ def test_tp2_decode_continues_the_transferred_state(served_tp2, reference_tp2):
     """Control: decode asked for X but handed Y's blocks and state from both ranks continues Y."""
     dep = served_tp2.dep
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    y_handle = ray.get(prefill.prefill.remote(make_request("y", "tp2-swap-y"))).handle
+    y_handle = ray.get(prefill.prefill.remote(make_request("y_tp2", "tp2-swap-y"))).handle
     tokens = run(decode_tokens(decode, make_request("x", "tp2-swap-x"), y_handle))
-    assert reference_tp2["x"].decisive[:MIN_COMPARED] != reference_tp2["y_then_last_of_x"].decisive[:MIN_COMPARED]
-    assert_matches(tokens, reference_tp2["y_then_last_of_x"])
+    assert reference_tp2["x"].decisive[:MIN_COMPARED] != reference_tp2["y_tp2_then_last_of_x"].decisive[:MIN_COMPARED]
+    assert_matches(tokens, reference_tp2["y_tp2_then_last_of_x"])
     assert_no_blocks_held(dep)
 
 
@@ -117,13 +117,14 @@ def test_each_rank_keeps_to_its_own_core(served_tp2):
 
 def test_engine_and_its_ranks_share_one_placement_group_on_one_node(served_tp2):
     from ray.util import placement_group_table
+    from ray.util.state import get_actor
 
     dep = served_tp2.dep
     for member in dep.prefill.members + dep.decode.members:
         table = placement_group_table(dep._placements[member.name])
         assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
         bundle_nodes = set(table["bundles_to_node_id"].values())
-        actor_state = ray.util.state.get_actor(member.actor._actor_id.hex())
+        actor_state = get_actor(member.actor._actor_id.hex())
         assert actor_state.placement_group_id == table["placement_group_id"]
         assert bundle_nodes == {actor_state.node_id}
         # vLLM's ranks are processes of the actor, so they run inside its reservation.
@@ -174,4 +175,5 @@ def test_kv_cache_too_small_for_one_request_is_refused_with_the_arithmetic(ray_c
 
 def _rank_processes(actor_pid: int) -> list[psutil.Process]:
     """vLLM's TP worker processes under an engine actor (spawned by its mp executor)."""
-    return [p for p in psutil.Process(actor_pid).children(recursive=True) if "VllmWorker" in " ".join(p.cmdline()) or "VllmWorker" in p.name()]
+    children = psutil.Process(actor_pid).children(recursive=True)
+    return [p for p in children if "Worker_TP" in " ".join(p.cmdline())]  # vLLM titles them VLLM::Worker_TP<rank>

@@ -52,6 +52,7 @@ PROBE_EXAMPLE = {
         {"prompt_tokens": 8192, "client_ttft_s": 2.700, "engine_s": 2.690},
         {"prompt_tokens": 8192, "client_ttft_s": 2.900, "engine_s": 2.690},  # one stalled request
     ],
+    "engines": {"device": "cuda", "prefill_tp": 4, "decode_tp": 4},
 }
 
 # Round numbers for hand-checked timelines: prefill 1 ms per token, decode 100 ms per step,

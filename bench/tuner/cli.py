@@ -41,7 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     source.add_argument("--seeds-example", action="store_true", help="27B hybrid on 4xH100 from the seeds' figures")
     parser.add_argument("--save-model", type=Path, help="write the fitted model here (JSON)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs to place")
-    parser.add_argument("--gpus-per-instance", type=int, default=1, help="GPUs per engine instance (its TP size)")
+    parser.add_argument(
+        "--gpus-per-instance", type=int, default=None, help="GPUs per engine instance, its TP size (default: the probe's)"
+    )
     parser.add_argument("--ttft-slo", type=float, required=True, help="seconds")
     parser.add_argument("--itl-slo", type=float, required=True, help="seconds, a request's mean inter-token time")
     parser.add_argument("--percentile", type=float, default=90.0, help="%% of requests that must meet both SLOs")
@@ -88,13 +90,27 @@ def _workload(args: argparse.Namespace) -> Workload:
     )
 
 
-def _space(args: argparse.Namespace) -> SearchSpace:
-    instances, extra = divmod(args.gpus, args.gpus_per_instance)
+def _instance_tp(args: argparse.Namespace, model: PerformanceModel) -> int:
+    """GPUs per instance: the TP size the figures were measured at (both pools alike)."""
+    prefill_tp, decode_tp = model.tensor_parallel
+    if prefill_tp != decode_tp:
+        raise ValueError(
+            f"the probe measured TP {prefill_tp} prefill and TP {decode_tp} decode engines; the tuner sizes both "
+            "pools in instances of one size: probe with equal --prefill-tp and --decode-tp"
+        )
+    if args.gpus_per_instance not in (None, prefill_tp):
+        raise ValueError(
+            f"--gpus-per-instance {args.gpus_per_instance}, but the figures are for TP {prefill_tp} engines: "
+            f"probe engines of TP {args.gpus_per_instance} first, or leave the flag out"
+        )
+    return prefill_tp
+
+
+def _space(args: argparse.Namespace, gpus_per_instance: int) -> SearchSpace:
+    instances, extra = divmod(args.gpus, gpus_per_instance)
     if extra or instances < 1:
-        raise ValueError(f"--gpus {args.gpus} is not a positive multiple of --gpus-per-instance")
-    return SearchSpace(
-        instances, args.gpus_per_instance, tuple(args.batch_limits), args.token_budget, not args.no_colocated
-    )
+        raise ValueError(f"--gpus {args.gpus} is not a positive multiple of {gpus_per_instance} GPUs per instance")
+    return SearchSpace(instances, gpus_per_instance, tuple(args.batch_limits), args.token_budget, not args.no_colocated)
 
 
 def _ms(seconds: float) -> str:
@@ -193,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model = _performance_model(args)
-        space = _space(args)
+        tp = _instance_tp(args, model)
+        space = _space(args, tp)
         workload = _workload(args)
     except (OSError, ValueError, KeyError) as err:
         parser.error(str(err))
@@ -219,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, png)
     print(f"results: {args.out}, plot: {png}")
     if args.apply:
-        return _apply(args.apply, result.best.placement)
+        return _apply(args.apply, result.best.placement, tp)
     return 0
 
 
-def _apply(target: str, placement) -> int:  # noqa: ANN001 (simulator.Placement)
-    """Ask the router's Admin service to resize its live pools; it drains what it removes."""
+def _apply(target: str, placement, tp: int) -> int:  # noqa: ANN001 (simulator.Placement)
+    """Ask the router's Admin service to resize its live pools; it drains what it removes,
+    and refuses if its engines are not of the TP size the plan counts in."""
     import asyncio
 
     import grpc
@@ -234,7 +252,9 @@ def _apply(target: str, placement) -> int:  # noqa: ANN001 (simulator.Placement)
 
     async def scale() -> pb.PoolSizes:
         async with grpc.aio.insecure_channel(target) as channel:
-            request = pb.ScalePoolsRequest(prefill=placement.prefill, decode=placement.decode)
+            request = pb.ScalePoolsRequest(
+                prefill=placement.prefill, decode=placement.decode, prefill_tp=tp, decode_tp=tp
+            )
             return await pb_grpc.AdminStub(channel).ScalePools(request)
 
     try:

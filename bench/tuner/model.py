@@ -140,6 +140,8 @@ class PerformanceModel:
     layout: Layout
     serving_overhead_s: float = 0.0  # per request, outside the engines (gRPC, router, Ray)
     host: HostContention | None = None  # CPU engines sharing cores with the serving stack
+    # GPUs (CPU: core sets) per engine the figures are for: prefill TP, decode TP.
+    tensor_parallel: tuple[int, int] = (1, 1)
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
@@ -156,6 +158,7 @@ class PerformanceModel:
             layout=Layout(**probe["layout"]),
             serving_overhead_s=fit_serving(probe.get("serving", [])),
             host=fit_host(probe.get("host_cpu")),
+            tensor_parallel=_probed_tp(probe),
         )
 
     @classmethod
@@ -179,6 +182,7 @@ class PerformanceModel:
             ),
             transfer=TransferCost(ASSUMED_TRANSFER_LATENCY_S, ASSUMED_NIC_BYTES_PER_S),
             layout=layout,
+            tensor_parallel=(4, 4),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,6 +200,7 @@ class PerformanceModel:
             # Models saved before these existed have neither.
             serving_overhead_s=data.get("serving_overhead_s", 0.0),
             host=HostContention(**data["host"]) if data.get("host") else None,
+            tensor_parallel=tuple(data.get("tensor_parallel", (1, 1))),
         )
 
     def save(self, path: Path) -> None:
@@ -205,6 +210,11 @@ class PerformanceModel:
     @classmethod
     def load(cls, path: Path) -> PerformanceModel:
         return cls.from_dict(json.loads(path.read_text()))
+
+
+def _probed_tp(probe: dict[str, Any]) -> tuple[int, int]:
+    engines = probe.get("engines") or {}  # probes written before TP existed ran TP 1
+    return int(engines.get("prefill_tp", 1)), int(engines.get("decode_tp", 1))
 
 
 def load_probe(path: Path) -> PerformanceModel:

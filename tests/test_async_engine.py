@@ -1,0 +1,48 @@
+"""vLLM's AsyncLLM engine path (the GPU default: engine core in its own process, async
+scheduling) run once on CPU through P/D with NIXL, so the code GPUs use is exercised here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import psutil
+import pytest
+import ray
+from conftest import assert_no_blocks_held, run
+from reference import assert_matches, collect, make_request
+
+from router.deployment import Deployment, DeploymentConfig
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, engine_config, reference):
+    dep = Deployment(DeploymentConfig(engine=dataclasses.replace(engine_config, engine_path="async")))
+    orchestrator = run(dep.start())
+    yield dep, orchestrator
+    dep.shutdown()
+
+
+def test_each_engine_core_runs_in_its_own_process(deployment):
+    dep, _ = deployment
+    for member in dep.prefill.members + dep.decode.members:
+        assert ray.get(member.actor.engine_path.remote()) == "async"
+        children = psutil.Process(ray.get(member.actor.pid.remote())).children(recursive=True)
+        assert any("EngineCore" in " ".join(p.cmdline()) for p in children), member.name
+
+
+@pytest.mark.parametrize("name", ["over_one_block", "long"])
+def test_async_engines_disaggregated_equal_colocated(deployment, reference, name):
+    dep, orchestrator = deployment
+    tokens, result = run(collect(orchestrator.generate(make_request(name, f"async-{name}"))))
+    assert_matches(tokens, reference[name])
+    assert result.timings.transfer_bytes.deltanet_state > 0
+    assert_no_blocks_held(dep)
+
+
+def test_async_engines_report_capacity_and_load(deployment):
+    dep, _ = deployment
+    for member in dep.prefill.members + dep.decode.members:
+        capacity = dep.capacities[member.name]
+        load = ray.get(member.actor.load.remote())
+        assert capacity.kv_blocks == load.total_blocks > 0
+        assert load.free_blocks == load.total_blocks and not load.running
