@@ -53,10 +53,21 @@ class DeploymentConfig:
     cpu_cores: tuple[str, ...] | None = field(default_factory=default_cpu_cores)
     # How long an engine may wait for its placement group (an autoscaler adding a node).
     placement_timeout_s: float = 600.0
+    # GPUs each TP rank of a CUDA engine reserves. Below 1, engines share GPUs (TP 1 only):
+    # 0.5 puts a prefill and a decode engine on one GPU (deploy/gpu_smoke.py), whose
+    # gpu_memory_utilization must then add up to less than 1.
+    gpus_per_rank: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_prefill:
             check_tp_pairing(self.role_engine("prefill").tensor_parallel_size, self.role_engine("decode").tensor_parallel_size)
+        if not 0 < self.gpus_per_rank <= 1:
+            raise ValueError(f"gpus_per_rank must be in (0, 1], got {self.gpus_per_rank}")
+        if self.gpus_per_rank < 1 and max(self.role_engine(r).tensor_parallel_size for r in ("prefill", "decode")) > 1:
+            raise ValueError(
+                "engines share a GPU (gpus_per_rank < 1) only at TP 1, since each TP rank needs a GPU of its own: "
+                "pass --prefill-tp 1 --decode-tp 1"
+            )
 
     def role_engine(self, role: str) -> EngineConfig:
         """The engine configuration of one pool, before cores are handed out."""
@@ -114,7 +125,7 @@ class Deployment:
         self._next_core = 0  # CPU cores are handed out in turn
         self._named = {"prefill": 0, "decode": 0}  # actor names are never reused
         self._placements: dict[str, PlacementGroup] = {}
-        self._id = uuid.uuid4().hex[:8]  # placement group names stay unique across deployments
+        self._id = uuid.uuid4().hex[:8]  # Ray-level names stay unique across deployments
 
     async def start(self) -> Orchestrator:
         cfg = self.config
@@ -202,12 +213,12 @@ class Deployment:
             self._named[pool.role] += 1
             engine = cfg.engine_for(pool.role, self._next_core)
             self._next_core += engine.tensor_parallel_size
-            gpus = engine.tensor_parallel_size if engine.device == "cuda" else 0
+            gpus = engine.tensor_parallel_size * cfg.gpus_per_rank if engine.device == "cuda" else 0
             bundle = {resource: 1.0, **({"GPU": float(gpus)} if gpus else {})}
             placement = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{name}-{self._id}")
             self._placements[name] = placement
             actor = actor_class.options(
-                name=name,
+                name=f"pdserve-{self._id}-{name}",  # Ray names are cluster-wide: deployments may coexist
                 resources={resource: 1},
                 num_gpus=gpus,
                 max_restarts=cfg.max_restarts,

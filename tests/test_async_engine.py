@@ -27,7 +27,8 @@ def test_each_engine_core_runs_in_its_own_process(deployment):
     for member in dep.prefill.members + dep.decode.members:
         assert ray.get(member.actor.engine_path.remote()) == "async"
         children = psutil.Process(ray.get(member.actor.pid.remote())).children(recursive=True)
-        assert any("EngineCore" in " ".join(p.cmdline()) for p in children), member.name
+        titles = [" ".join(p.cmdline()) for p in children]
+        assert any("EngineCore" in title for title in titles), (member.name, titles)
 
 
 @pytest.mark.parametrize("name", ["over_one_block", "long"])

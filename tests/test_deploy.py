@@ -169,7 +169,7 @@ def test_launch_hands_its_arguments_to_the_head_intact(monkeypatch):
 
 def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str]):
     """Runs launch.py's head side against `nodes` (no Ray, no process started); returns the
-    `pdserve serve` arguments as pdserve's own parser reads them, and the printed output."""
+    `pdserve serve` command line and its arguments as pdserve's own parser reads them."""
     launch = load_launch()
     started = []
 
@@ -197,7 +197,7 @@ def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str]):
 
     monkeypatch.setattr(cli, "_serve", serve)
     assert cli.main(cmd[1:]) == 0
-    return parsed[0]
+    return cmd, parsed[0]
 
 
 def _aws_nodes() -> dict:
@@ -207,27 +207,31 @@ def _aws_nodes() -> dict:
     for name, node_type in types.items():
         r = node_type["resources"]
         for i in range(node_type.get("min_workers", 0)):
-            nodes[f"{name}-{i}"] = {"prefill": r.get(PREFILL_RESOURCE, 0), "decode": r.get(DECODE_RESOURCE, 0), "gpus": r["GPU"]}
+            pools = {"prefill": r.get(PREFILL_RESOURCE, 0), "decode": r.get(DECODE_RESOURCE, 0)}
+            nodes[f"{name}-{i}"] = {**pools, "gpus": r["GPU"]}
     return nodes
 
 
 def test_launch_gives_each_aws_engine_a_tp4_share_of_its_8_gpu_node(monkeypatch, tmp_path, capsys):
-    args = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), ["--model", "/models/m", "--max-model-len", "8192"])
+    user = ["--model", "/models/m", "--max-model-len", "8192"]
+    cmd, args = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), user)
     assert (args.prefill, args.decode) == (2, 2), "two engines per node, one node per pool"
     assert (args.device, args.prefill_tp, args.decode_tp) == ("cuda", 4, 4)
     assert args.gpu_memory_utilization == 0.9 and args.model == "/models/m"
+    assert cmd[cmd.index("--max-model-len") + 1] == "32768" and cmd[-len(user) :] == user
     assert args.max_model_len == 8192, "the user's arguments override launch.py's defaults"
     assert "node prefill-0: 2 prefill slot(s), 8 GPU(s)" in capsys.readouterr().out
 
 
 def test_launch_on_cpu_nodes_adds_no_gpu_flags(monkeypatch, tmp_path):
     nodes = {"10.0.0.11": {"prefill": 1, "decode": 0, "gpus": 0}, "10.0.0.12": {"prefill": 0, "decode": 1, "gpus": 0}}
-    args = _launch_on_head(monkeypatch, tmp_path, nodes, ["--model", "/models/m"])
+    _, args = _launch_on_head(monkeypatch, tmp_path, nodes, ["--model", "/models/m"])
     assert (args.prefill, args.decode, args.device, args.prefill_tp, args.decode_tp) == (1, 1, "cpu", 1, 1)
     assert args.max_model_len == 8192  # pdserve's own default
 
 
 def test_launch_refuses_pools_that_mix_gpu_and_cpu_nodes():
     launch = load_launch()
+    nodes = {"a": {"prefill": 2, "decode": 0, "gpus": 8}, "b": {"prefill": 0, "decode": 1, "gpus": 0}}
     with pytest.raises(ValueError, match="one device"):
-        launch.gpu_serve_args({"a": {"prefill": 2, "decode": 0, "gpus": 8}, "b": {"prefill": 0, "decode": 1, "gpus": 0}})
+        launch.gpu_serve_args(nodes)

@@ -1,0 +1,145 @@
+"""GPU smoke test: one prefill and one decode engine sharing this machine's one CUDA GPU.
+
+    PDSERVE_DEVICE=gpu make install
+    .venv/bin/python -m deploy.gpu_smoke [PROMPT] [--max-tokens N] [engine flags of `pdserve demo`]
+
+Starts a private local Ray cluster, a TP-1 prefill and a TP-1 decode engine on the embedded
+model with `--device cuda` (weights, KV cache and NIXL's KV buffers in GPU memory), streams
+one generation through the gRPC router, and prints the bytes decode pulled from prefill
+(attention KV + DeltaNet state), time to first token and decode rate. Exits 1 if there is
+no CUDA GPU (checked before anything starts), if a generation fails, or if no KV crossed
+from prefill to decode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import uuid
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from router.cli import DEFAULT_PROMPT, _add_cluster_args, _print_final, deployment_config_from_args
+
+if TYPE_CHECKING:
+    from proto.pdserve.v1.generate_pb2 import Final
+
+# Both engines on one GPU: Ray hands each half of it (both see the same device), and each
+# vLLM engine may use 40% of its memory, leaving room for the two CUDA contexts.
+GPUS_PER_RANK = 0.5
+GPU_MEMORY_UTILIZATION = 0.4
+# A prompt unlike the measured one: no prefix-cache hit makes the measured transfer smaller.
+WARM_UP_PROMPT = "Warm-up request: the first generation pays one-time kernel and transfer set-up costs."
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.gpu_smoke",
+        description=__doc__.split("\n")[0],
+        epilog=f"Defaults here, unlike `pdserve demo`: --device cuda, --gpu-memory-utilization "
+        f"{GPU_MEMORY_UTILIZATION} (the two engines share the GPU, so keep TP 1 and their utilizations' sum below 1).",
+    )
+    _add_cluster_args(parser)
+    parser.set_defaults(device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds for both engines to start")
+    args = parser.parse_args(argv)
+    if args.device != "cuda":
+        parser.error("this smoke test is for CUDA (`pdserve demo` runs the same path on CPU): leave --device cuda")
+
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        print(
+            f"gpu_smoke: no CUDA GPU: torch {torch.__version__} ({build}) sees no device. Run it on a machine "
+            "with an NVIDIA GPU and driver, after `PDSERVE_DEVICE=gpu make install`.",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        return asyncio.run(_smoke(args))
+    except ValueError as err:  # a configuration the engines cannot run
+        print(f"gpu_smoke: {err}", file=sys.stderr)
+        return 2
+
+
+async def _smoke(args: argparse.Namespace) -> int:
+    import ray
+    from transformers import AutoTokenizer
+
+    from router import ray_cluster
+    from router.deployment import Deployment
+    from router.server import RouterServer
+    from vllm_engine.config import resolve_model
+
+    config = replace(deployment_config_from_args(args, 1, 1), gpus_per_rank=GPUS_PER_RANK)
+    model = resolve_model(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if args.address:
+        ray_cluster.join(args.address)
+        logs = "the cluster's Ray logs"
+    else:
+        logs = f"{ray_cluster.start_local()}/session_latest/logs"
+    deployment = Deployment(config)
+    server = None
+    try:
+        if not ray.cluster_resources().get("GPU"):
+            print("gpu_smoke: Ray found no GPU on this node (is CUDA_VISIBLE_DEVICES empty?)", file=sys.stderr)
+            return 1
+        print(f"model {model}: starting 1 prefill + 1 decode engine on one GPU...", file=sys.stderr)
+        try:
+            orchestrator = await asyncio.wait_for(deployment.start(), args.start_timeout)
+        except asyncio.TimeoutError:
+            print(f"gpu_smoke: the engines did not start in {args.start_timeout:.0f} s; see {logs}", file=sys.stderr)
+            return 1
+        for name, capacity in deployment.capacities.items():
+            print(f"  {name}: {capacity.summary()}", file=sys.stderr)
+        server = RouterServer(orchestrator, tokenizer.encode, model, "127.0.0.1:0")
+        await server.start()
+        if await _stream(server.address, WARM_UP_PROMPT, max_tokens=2, quiet=True) is None:
+            return 1
+        print(f"\n{args.prompt}", end="", flush=True)
+        final = await _stream(server.address, args.prompt, max_tokens=args.max_tokens)
+        if final is None:
+            return 1
+        print("\n")
+        _print_final(final)
+        if not final.timings.attention_kv_bytes:
+            print(
+                f"gpu_smoke: decode pulled no KV from prefill (the prompt was prefilled on decode?); see {logs}",
+                file=sys.stderr,
+            )
+            return 1
+        return 0
+    finally:
+        if server is not None:
+            await server.stop()
+        deployment.shutdown()
+        ray.shutdown()
+
+
+async def _stream(target: str, prompt: str, max_tokens: int, quiet: bool = False) -> "Final | None":
+    """One generation through gRPC; its final message, or None after printing the error."""
+    import grpc
+
+    from router.client import build_request, stream_generate
+
+    request = build_request(prompt, f"gpu-smoke-{uuid.uuid4().hex[:8]}", max_tokens=max_tokens, ignore_eos=True)
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            async for response in stream_generate(channel, request, timeout_s=300):
+                if response.HasField("chunk"):
+                    if not quiet:
+                        print(response.chunk.text, end="", flush=True)
+                else:
+                    return response.final
+        except grpc.aio.AioRpcError as err:
+            print(f"\ngpu_smoke: generation failed: {err.code().name}: {err.details()}", file=sys.stderr)
+    return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
