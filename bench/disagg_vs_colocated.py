@@ -4,7 +4,10 @@ One run, interleaved: for each prompt length, every repetition runs the colocate
 and then the prefill->NIXL->decode pair on the same prompt, so machine noise hits both.
 Prints medians and the ratios disaggregated / colocated.
 
-    python -m bench.disagg_vs_colocated [--lengths 128 1024 4096] [--reps 5]
+    python -m bench.disagg_vs_colocated [--lengths 128 1024 4096] [--reps 5] [--tp 2]
+
+`--tp N` runs every engine tensor-parallel over N ranks (on CPU, N core sets): the
+disaggregated pair at TP N -> N against a colocated engine at TP N.
 """
 
 from __future__ import annotations
@@ -75,12 +78,13 @@ async def _disaggregated(orchestrator, request: GenerateRequest) -> tuple[Sample
     return Sample(times[0] - start, _rate(times)), result.timings.transfer_bytes.total
 
 
-async def run(lengths: list[int], reps: int, max_tokens: int, model: str) -> list[Row]:
-    engine = EngineConfig(model=model)
+async def run(lengths: list[int], reps: int, max_tokens: int, model: str, tp: int = 1) -> list[Row]:
+    engine = EngineConfig(model=model, tensor_parallel_size=tp)
     deployment = Deployment(DeploymentConfig(engine=engine))
     orchestrator = await deployment.start()
-    # The colocated engine gets the decode engine's core; only one of them works at a time.
-    colocated = DecodeActor.remote("colocated", deployment.config.engine_for("decode", 1), None)
+    # The colocated engine gets the decode engine's cores (prefill took the first `tp`);
+    # only one of them works at a time.
+    colocated = DecodeActor.remote("colocated", deployment.config.engine_for("decode", tp), None)
     await colocated.ready.remote()
     rows = []
     try:
@@ -124,10 +128,13 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/disagg_vs_colocated.json"))
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of every engine")
+    parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/disagg_vs_colocated[_tpN].json)")
     args = parser.parse_args()
+    args.out = args.out or Path(f"bench/results/disagg_vs_colocated{f'_tp{args.tp}' if args.tp > 1 else ''}.json")
     start_local()
-    rows = asyncio.run(run(args.lengths, args.reps, args.max_tokens, args.model))
+    print(f"all engines at TP {args.tp}", flush=True)
+    rows = asyncio.run(run(args.lengths, args.reps, args.max_tokens, args.model, args.tp))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     print("\nratios (disaggregated / colocated; targets: TTFT <= 1.2x at 1024, decode >= 0.95x):")

@@ -62,9 +62,7 @@ class StateLayout:
             if isinstance(spec, UniformTypeKVCacheSpecs):
                 spec = next(iter(spec.kv_cache_specs.values()))
             if isinstance(spec, MambaSpec):
-                groups.append(
-                    CacheGroup(GroupKind.DELTANET, len(group.layer_names), spec.state_content_size_bytes, 0)
-                )
+                groups.append(CacheGroup(GroupKind.DELTANET, len(group.layer_names), spec.state_content_size_bytes, 0))
             elif isinstance(spec, AttentionSpec):
                 groups.append(
                     CacheGroup(
@@ -102,9 +100,7 @@ class StateLayout:
     @property
     def deltanet_state_bytes_per_request(self) -> int:
         """All ranks together."""
-        per_rank = sum(
-            g.num_layers * g.bytes_per_block_per_layer for g in self.groups if g.kind is GroupKind.DELTANET
-        )
+        per_rank = sum(g.num_layers * g.bytes_per_block_per_layer for g in self.groups if g.kind is GroupKind.DELTANET)
         return per_rank * self.tensor_parallel_size
 
     def capacity(self, max_model_len: int, max_num_seqs: int) -> "EngineCapacity":
@@ -129,7 +125,9 @@ class StateLayout:
             raise ValueError(f"expected block ids for {len(self.groups)} KV-cache groups, got {len(block_ids)}")
         per_kind = {GroupKind.ATTENTION: 0, GroupKind.DELTANET: 0}
         for group, ids in zip(self.groups, block_ids):
-            per_kind[group.kind] += len(ids) * group.num_layers * group.bytes_per_block_per_layer * self.tensor_parallel_size
+            per_kind[group.kind] += (
+                len(ids) * group.num_layers * group.bytes_per_block_per_layer * self.tensor_parallel_size
+            )
         return TransferBytes(per_kind[GroupKind.ATTENTION], per_kind[GroupKind.DELTANET])
 
 

@@ -60,7 +60,9 @@ class DeploymentConfig:
 
     def __post_init__(self) -> None:
         if self.num_prefill:
-            check_tp_pairing(self.role_engine("prefill").tensor_parallel_size, self.role_engine("decode").tensor_parallel_size)
+            check_tp_pairing(
+                self.role_engine("prefill").tensor_parallel_size, self.role_engine("decode").tensor_parallel_size
+            )
         if not 0 < self.gpus_per_rank <= 1:
             raise ValueError(f"gpus_per_rank must be in (0, 1], got {self.gpus_per_rank}")
         if self.gpus_per_rank < 1 and max(self.role_engine(r).tensor_parallel_size for r in ("prefill", "decode")) > 1:
@@ -156,8 +158,8 @@ class Deployment:
         ours = tuple(self.config.role_engine(role).tensor_parallel_size for role in ("prefill", "decode"))
         if tensor_parallel is not None and tensor_parallel != ours:
             raise ValueError(
-                f"the plan is for TP {tensor_parallel[0]} prefill / {tensor_parallel[1]} decode engines, this deployment "
-                f"runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
+                f"the plan is for TP {tensor_parallel[0]} prefill / {tensor_parallel[1]} decode engines, "
+                f"this deployment runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
                 f"--decode-tp {tensor_parallel[1]}, or tune with the live engines' sizes"
             )
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))

@@ -8,7 +8,7 @@ import time
 
 import grpc
 import pytest
-from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens, wait_until
+from conftest import ServedStack, assert_no_blocks_held, stream_tokens, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import MAX_TOKENS, PROMPTS, assert_matches

@@ -72,22 +72,44 @@ def test_embedded_model_matches_the_engine(model_path):
 
 
 def test_plain_attention_and_interval_layouts():
-    llama = ModelShape.from_config({
-        "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256, "intermediate_size": 14336, "max_position_embeddings": 8192,
-    })  # Llama-3-8B
+    llama = ModelShape.from_config(
+        {
+            "hidden_size": 4096,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "vocab_size": 128256,
+            "intermediate_size": 14336,
+            "max_position_embeddings": 8192,
+        }
+    )  # Llama-3-8B
     assert not llama.is_hybrid and llama.head_dim == 128
     assert abs(llama.param_count() - 8.03e9) < 0.01 * 8.03e9
     plan = plan_engine(llama, SizingInputs(device="cuda"))
     assert plan.kv_bytes_per_token == 128 * KiB and plan.block_size == 16 and plan.blocks_for(8192) == 512
 
-    next_80b = ModelShape.from_config({
-        "model_type": "qwen3_next", "hidden_size": 2048, "num_hidden_layers": 48, "full_attention_interval": 4,
-        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
-        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-        "linear_conv_kernel_dim": 4, "vocab_size": 151936, "intermediate_size": 5120, "num_experts": 512,
-        "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144,
-    })  # Qwen3-Next-80B-A3B
+    next_80b = ModelShape.from_config(
+        {
+            "model_type": "qwen3_next",
+            "hidden_size": 2048,
+            "num_hidden_layers": 48,
+            "full_attention_interval": 4,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 2,
+            "head_dim": 256,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "vocab_size": 151936,
+            "intermediate_size": 5120,
+            "num_experts": 512,
+            "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512,
+            "max_position_embeddings": 262144,
+        }
+    )  # Qwen3-Next-80B-A3B
     assert next_80b.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
     assert (next_80b.num_full_layers, next_80b.num_linear_layers) == (12, 36)
     assert abs(next_80b.param_count() - 80e9) < 0.05 * 80e9

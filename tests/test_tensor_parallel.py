@@ -60,7 +60,9 @@ def served_tp2(ray_cluster, model_path, reference_tp2):
 
 @pytest.mark.parametrize("name", ["short", "over_one_block", "long"])
 def test_tp2_to_tp2_over_grpc_equals_colocated_tp2(served_tp2, reference_tp2, name):
-    request = build_request(list(PROMPTS[name]), f"tp2-{name}", max_tokens=len(reference_tp2[name].tokens), ignore_eos=True)
+    request = build_request(
+        list(PROMPTS[name]), f"tp2-{name}", max_tokens=len(reference_tp2[name].tokens), ignore_eos=True
+    )
     tokens, _, final = served_tp2.call(lambda ch: stream_tokens(ch, request))
     assert_matches(tokens, reference_tp2[name])
     assert final.prefill_worker == "prefill-0" and final.timings.attention_kv_bytes > 0
@@ -123,20 +125,33 @@ def test_engine_and_its_ranks_share_one_placement_group_on_one_node(served_tp2):
         table = placement_group_table(dep._placements[member.name])
         assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
         bundle_nodes = set(table["bundles_to_node_id"].values())
-        node_id, placement_id = ray.get(member.actor.__ray_call__.remote(_where_am_i))
+        # A lambda travels by value (this test module is not importable inside the actor).
+        where = lambda actor: (ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_placement_group_id())  # noqa: E731
+        node_id, placement_id = ray.get(member.actor.__ray_call__.remote(where))
         assert placement_id == table["placement_group_id"]
         assert bundle_nodes == {node_id}
         # vLLM's ranks are processes of the actor, so they run inside its reservation.
         assert len(_rank_processes(ray.get(member.actor.pid.remote()))) == 2
 
 
-def test_capacity_is_reported_per_engine(served_tp2):
-    capacities = served_tp2.dep.capacities
-    assert set(capacities) == {"prefill-0", "decode-0"}
-    for capacity in capacities.values():
+def test_capacity_reported_by_each_engine_matches_pdserve_plan(served_tp2, model_path):
+    """What vLLM built (blocks per rank, block size) is what `pdserve plan` computed from
+    config.json alone: the sizing arithmetic is checked against the real engines."""
+    from vllm_engine.sizing import ModelShape, plan_for
+
+    dep = served_tp2.dep
+    assert set(dep.capacities) == {"prefill-0", "decode-0"}
+    shape = ModelShape.from_model_dir(model_path)
+    for member in dep.prefill.members + dep.decode.members:
+        capacity = dep.capacities[member.name]
+        plan = plan_for(dep.config.role_engine(member.name.split("-")[0]), shape)
         assert capacity.tensor_parallel_size == 2
-        assert capacity.kv_blocks > 0 and capacity.deltanet_state_slots == capacity.kv_blocks
-        assert 1 <= capacity.max_concurrent_max_length_requests <= 16
+        assert capacity.kv_blocks == plan.usable_blocks
+        assert capacity.deltanet_state_slots == capacity.kv_blocks
+        assert capacity.blocks_per_max_length_request == plan.blocks_for(plan.inputs.max_model_len)
+        assert capacity.max_concurrent_max_length_requests == plan.max_requests(plan.inputs.max_model_len)
+        layout = ray.get(member.actor.state_layout.remote())
+        assert {g.block_size for g in layout.groups if g.block_size} == {plan.block_size}
 
 
 def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, reference):
@@ -154,7 +169,9 @@ def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, referen
 
 def test_unsupported_tp_pairing_is_refused_before_any_engine_starts():
     with pytest.raises(ValueError, match="one TP size must be a multiple of the other"):
-        DeploymentConfig(prefill_sizing=EngineSizing(tensor_parallel_size=2), decode_sizing=EngineSizing(tensor_parallel_size=3))
+        DeploymentConfig(
+            prefill_sizing=EngineSizing(tensor_parallel_size=2), decode_sizing=EngineSizing(tensor_parallel_size=3)
+        )
 
 
 def test_tp_that_cannot_split_the_heads_is_refused(ray_cluster, engine_config):
@@ -167,14 +184,11 @@ def test_tp_that_cannot_split_the_heads_is_refused(ray_cluster, engine_config):
 
 def test_kv_cache_too_small_for_one_request_is_refused_with_the_arithmetic(ray_cluster, engine_config):
     dep = Deployment(DeploymentConfig(engine=engine_config, decode_sizing=EngineSizing(kv_cache_bytes=4 << 20)))
-    with pytest.raises(ValueError, match=r"decode engine .*one 8,192-token request needs \d+ blocks.*holds \d+.*--kv-cache-bytes"):
+    with pytest.raises(
+        ValueError, match=r"decode engine .*one 8,192-token request needs \d+ blocks.*holds \d+.*--kv-cache-bytes"
+    ):
         run(dep.start())
     assert not dep.prefill.members and not dep.decode.members
-
-
-def _where_am_i(actor) -> tuple[str, str]:  # noqa: ANN001 (runs inside the actor)
-    context = ray.get_runtime_context()
-    return context.get_node_id(), context.get_placement_group_id()
 
 
 def _rank_processes(actor_pid: int) -> list[psutil.Process]:

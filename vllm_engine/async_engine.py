@@ -11,7 +11,6 @@ is used as is; pdserve adds only two small readers:
 
 from __future__ import annotations
 
-import asyncio
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from vllm_engine.config import EngineConfig
@@ -44,7 +43,9 @@ class _LatestSchedulerStats:
     def __call__(self, vllm_config: Any, engine_index: int = 0) -> "_LatestSchedulerStats":
         return self  # vLLM builds loggers from factories; this one is its own
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         if scheduler_stats is not None:
             self.latest = scheduler_stats
 

@@ -142,7 +142,9 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enforce_eager=(not gpu) if self.enforce_eager is None else self.enforce_eager,
-            enable_prefix_caching=(None if gpu else False) if self.enable_prefix_caching is None else self.enable_prefix_caching,
+            enable_prefix_caching=(None if gpu else False)
+            if self.enable_prefix_caching is None
+            else self.enable_prefix_caching,
             seed=self.seed,
             kv_transfer_config=kv_transfer_config,
             **{**self.extra_engine_args, **overrides},

@@ -36,9 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of a decode engine")
     parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
     parser.add_argument(
-        "--kv-cache-bytes", type=parse_bytes, default=None,
+        "--kv-cache-bytes",
+        type=parse_bytes,
+        default=None,
         help=f"KV cache per rank, e.g. 4GiB (default: {CPU_DEFAULT_KV_CACHE_BYTES // MiB} MiB on cpu, "
-             "from GPU memory on cuda, as pdserve's engines)",
+        "from GPU memory on cuda, as pdserve's engines)",
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default: 80, an H100)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
@@ -53,17 +55,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         shape = _load_shape(args)
         plans = {
-            role: plan_engine(shape, SizingInputs(
-                device=args.device,
-                tensor_parallel_size=tp,
-                max_model_len=args.max_model_len,
-                max_num_seqs=args.max_num_seqs,
-                kv_cache_bytes=kv_cache_bytes,
-                gpu_memory_bytes=int(args.gpu_memory_gib * GiB),
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                context=args.context,
-                prompt_tokens=args.prompt_tokens,
-            ))
+            role: plan_engine(
+                shape,
+                SizingInputs(
+                    device=args.device,
+                    tensor_parallel_size=tp,
+                    max_model_len=args.max_model_len,
+                    max_num_seqs=args.max_num_seqs,
+                    kv_cache_bytes=kv_cache_bytes,
+                    gpu_memory_bytes=int(args.gpu_memory_gib * GiB),
+                    gpu_memory_utilization=args.gpu_memory_utilization,
+                    context=args.context,
+                    prompt_tokens=args.prompt_tokens,
+                ),
+            )
             for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp))
         }
     except (OSError, ValueError) as e:  # unreadable config, TP that splits no heads, no GPU memory left

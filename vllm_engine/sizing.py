@@ -83,8 +83,18 @@ class ModelShape:
     def from_config(cls, config: dict[str, Any]) -> "ModelShape":
         # Multimodal checkpoints (e.g. model_type qwen3_5) nest the language model's config.
         c = config.get("text_config") or config
-        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size",
-                               "intermediate_size", "max_position_embeddings") if k not in c]
+        missing = [
+            k
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "vocab_size",
+                "intermediate_size",
+                "max_position_embeddings",
+            )
+            if k not in c
+        ]
         if missing:
             raise ValueError(f"config lacks {', '.join(missing)}: pass the config.json of a decoder-only LLM")
         n_layers = c["num_hidden_layers"]
@@ -107,10 +117,19 @@ class ModelShape:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=c["max_position_embeddings"],
             attn_output_gate=bool(c.get("attn_output_gate", c.get("model_type") in _GATED_ATTENTION_MODELS)),
-            **{k: int(c.get(k) or 0) for k in (
-                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
-                "linear_conv_kernel_dim", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-            )},
+            **{
+                k: int(c.get(k) or 0)
+                for k in (
+                    "linear_num_key_heads",
+                    "linear_num_value_heads",
+                    "linear_key_head_dim",
+                    "linear_value_head_dim",
+                    "linear_conv_kernel_dim",
+                    "num_experts",
+                    "moe_intermediate_size",
+                    "shared_expert_intermediate_size",
+                )
+            },
         )
 
     @property
@@ -140,16 +159,23 @@ class ModelShape:
         attention = h * q_dim * (2 if self.attn_output_gate else 1) + 2 * h * kv_dim + q_dim * h
         value_dim = self.linear_num_value_heads * self.linear_value_head_dim
         # in_proj: q, k, v, z (output gate) and the per-head a, b; conv weights; out_proj.
-        deltanet = (h * (self.linear_conv_dim + value_dim + 2 * self.linear_num_value_heads)
-                    + self.linear_conv_dim * self.linear_conv_kernel_dim + value_dim * h)
+        deltanet = (
+            h * (self.linear_conv_dim + value_dim + 2 * self.linear_num_value_heads)
+            + self.linear_conv_dim * self.linear_conv_kernel_dim
+            + value_dim * h
+        )
         if self.num_experts:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
             if self.shared_expert_intermediate_size:
                 mlp += 3 * h * self.shared_expert_intermediate_size + h  # shared expert + its gate
         else:
             mlp = 3 * h * self.intermediate_size  # gate, up, down
-        return (embeddings + self.num_full_layers * attention + self.num_linear_layers * deltanet
-                + self.num_hidden_layers * mlp)
+        return (
+            embeddings
+            + self.num_full_layers * attention
+            + self.num_linear_layers * deltanet
+            + self.num_hidden_layers * mlp
+        )
 
 
 def _layer_types(n_layers: int, interval: int | None) -> list[str]:
@@ -238,8 +264,11 @@ class EnginePlan:
         needed = self.blocks_for(n)
         if self.usable_blocks >= needed:
             return
-        fix = ("raise --kv-cache-bytes" if self.inputs.device == "cpu"
-               else "raise --gpu-memory-utilization (or --kv-cache-bytes, or TP)")
+        fix = (
+            "raise --kv-cache-bytes"
+            if self.inputs.device == "cpu"
+            else "raise --gpu-memory-utilization (or --kv-cache-bytes, or TP)"
+        )
         raise SizingError(
             f"one {n:,}-token request needs {needed:,} blocks "
             f"({self.num_linear_groups} DeltaNet + {self.num_full_groups} x ceil({n:,} / {self.block_size}) attention) "
@@ -255,8 +284,10 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
     if shape.num_full_layers == 0:
         raise ValueError("the model has no full-attention layers: pure recurrent models are not sized here")
     if inputs.max_model_len > shape.max_position_embeddings:
-        raise ValueError(f"--max-model-len {inputs.max_model_len:,} exceeds the model's "
-                         f"max_position_embeddings {shape.max_position_embeddings:,}: lower it")
+        raise ValueError(
+            f"--max-model-len {inputs.max_model_len:,} exceeds the model's "
+            f"max_position_embeddings {shape.max_position_embeddings:,}: lower it"
+        )
     tp = inputs.tensor_parallel_size
     _check_tp(shape, tp)
     dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(inputs.mamba_ssm_dtype)
@@ -270,8 +301,11 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
     state_layer = temporal_layer + conv_layer
     n_full, n_linear = shape.num_full_layers, shape.num_linear_layers
 
-    block_size = _block_size(inputs, state_layer, attn_token_layer) if shape.is_hybrid else (
-        inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device])
+    block_size = (
+        _block_size(inputs, state_layer, attn_token_layer)
+        if shape.is_hybrid
+        else (inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device])
+    )
     # vLLM pads the state page up to the attention page, so every layer's page is the same.
     layers_per_group = _layers_per_group([n for n in (n_full, n_linear) if n])
     page_bytes = layers_per_group * block_size * attn_token_layer
@@ -302,10 +336,13 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
 def _check_tp(shape: ModelShape, tp: int) -> None:
     def works(t: int) -> bool:
         kv = shape.num_key_value_heads
-        return (shape.num_attention_heads % t == 0
-                and shape.linear_num_key_heads % t == 0 and shape.linear_num_value_heads % t == 0
-                # KV heads split evenly, or are replicated evenly (QKVParallelLinear).
-                and (kv % t == 0 if t <= kv else t % kv == 0))
+        return (
+            shape.num_attention_heads % t == 0
+            and shape.linear_num_key_heads % t == 0
+            and shape.linear_num_value_heads % t == 0
+            # KV heads split evenly, or are replicated evenly (QKVParallelLinear).
+            and (kv % t == 0 if t <= kv else t % kv == 0)
+        )
 
     if tp < 1:
         raise ValueError(f"tensor parallel size must be >= 1, got {tp}")
@@ -375,27 +412,56 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         ("attention KV per token", total_and_rank(plan.kv_bytes_per_token, plan.kv_bytes_per_token_per_rank)),
     ]
     if plan.shape.is_hybrid:
-        rows.append((f"DeltaNet temporal state ({i.mamba_ssm_dtype})", total_and_rank(
-            plan.temporal_bytes_per_request, plan.temporal_bytes_per_request_per_rank, " per request")))
-        rows.append((f"DeltaNet conv state ({i.dtype})", total_and_rank(
-            plan.conv_bytes_per_request, plan.conv_bytes_per_request_per_rank, " per request")))
+        rows.append(
+            (
+                f"DeltaNet temporal state ({i.mamba_ssm_dtype})",
+                total_and_rank(
+                    plan.temporal_bytes_per_request, plan.temporal_bytes_per_request_per_rank, " per request"
+                ),
+            )
+        )
+        rows.append(
+            (
+                f"DeltaNet conv state ({i.dtype})",
+                total_and_rank(plan.conv_bytes_per_request, plan.conv_bytes_per_request_per_rank, " per request"),
+            )
+        )
         groups = f"{plan.num_linear_groups} DeltaNet + {plan.num_full_groups} attention groups"
     else:
         groups = "1 attention group"
-    kv_source = "" if i.kv_cache_bytes is not None else (
-        f" ({i.gpu_memory_bytes / GiB:g} GiB x {i.gpu_memory_utilization} - weights - "
-        f"{CUDA_ACTIVATION_RESERVE_BYTES / GiB:g} GiB activation reserve, estimate)")
+    kv_source = (
+        ""
+        if i.kv_cache_bytes is not None
+        else (
+            f" ({i.gpu_memory_bytes / GiB:g} GiB x {i.gpu_memory_utilization} - weights - "
+            f"{CUDA_ACTIVATION_RESERVE_BYTES / GiB:g} GiB activation reserve, estimate)"
+        )
+    )
     rows.append(("KV cache per rank", _size(plan.kv_cache_bytes_per_rank) + kv_source))
-    rows.append(("block", f"{plan.block_size:,} tokens; {groups} of {plan.layers_per_group} layers; "
-                          f"page {_size(plan.page_bytes)}"))
+    rows.append(
+        (
+            "block",
+            f"{plan.block_size:,} tokens; {groups} of {plan.layers_per_group} layers; page {_size(plan.page_bytes)}",
+        )
+    )
     rows.append(("blocks per rank", f"{plan.num_blocks:,} (one is vLLM's null block)"))
     rows.append((f"blocks per {i.max_model_len:,}-token request", f"{plan.blocks_for(i.max_model_len):,}"))
     for n in dict.fromkeys((i.max_model_len, plan.context)):  # once when they are equal
-        rows.append((f"max concurrent requests at {n:,} tokens", f"{plan.max_requests(n):,} (blocks allow "
-                     f"{plan.usable_blocks // plan.blocks_for(n):,}, max_num_seqs {i.max_num_seqs})"))
+        rows.append(
+            (
+                f"max concurrent requests at {n:,} tokens",
+                f"{plan.max_requests(n):,} (blocks allow "
+                f"{plan.usable_blocks // plan.blocks_for(n):,}, max_num_seqs {i.max_num_seqs})",
+            )
+        )
     moved = plan.bytes_moved_attention + plan.bytes_moved_state
-    rows.append((f"bytes moved, {i.prompt_tokens:,}-token prompt", f"{moved:,} = attention KV "
-                 f"{plan.bytes_moved_attention:,} + DeltaNet state {plan.bytes_moved_state:,} (all ranks)"))
+    rows.append(
+        (
+            f"bytes moved, {i.prompt_tokens:,}-token prompt",
+            f"{moved:,} = attention KV "
+            f"{plan.bytes_moved_attention:,} + DeltaNet state {plan.bytes_moved_state:,} (all ranks)",
+        )
+    )
     width = max(len(label) for label, _ in rows)
     header = f"{title}: {i.device}, TP {i.tensor_parallel_size}, max_model_len {i.max_model_len:,}"
     return "\n".join([header, *(f"  {label:<{width}}  {value}" for label, value in rows)])
