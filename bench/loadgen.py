@@ -50,7 +50,9 @@ from tqdm import tqdm
 
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+from router.cli import add_client_credential_args, client_credentials
 from router.client import build_request, stream_generate
+from router.security import ClientCredentials
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -270,14 +272,20 @@ def summarize(records: Sequence[RequestRecord], slo: SLO) -> Summary:
 
 
 async def _send(
-    channel: grpc.aio.Channel, spec: RequestSpec, prompt: list[int], run_id: str, started: float, deadline: float
+    channel: grpc.aio.Channel,
+    spec: RequestSpec,
+    prompt: list[int],
+    run_id: str,
+    started: float,
+    deadline: float,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> RequestRecord:
     request = build_request(prompt, f"{run_id}-{spec.index}", max_tokens=spec.output_tokens, ignore_eos=True)
     sent = time.perf_counter()
     times: list[float] = []
     finish, error = "", ""
     try:
-        async for response in stream_generate(channel, request, timeout_s=max(deadline - sent, 1e-3)):
+        async for response in stream_generate(channel, request, max(deadline - sent, 1e-3), metadata):
             if response.HasField("chunk"):
                 times.extend([time.perf_counter() - sent] * len(response.chunk.token_ids))
             else:
@@ -299,7 +307,12 @@ async def _send(
 
 
 async def run_workload(
-    channel: grpc.aio.Channel, specs: Sequence[RequestSpec], config: LoadConfig, label: str, rate: float | None
+    channel: grpc.aio.Channel,
+    specs: Sequence[RequestSpec],
+    config: LoadConfig,
+    label: str,
+    rate: float | None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> RunReport:
     specs = specs[: config.num_requests]
     prompts = [prompt_ids(s, config.seed) for s in specs]  # built before the clock starts
@@ -312,16 +325,18 @@ async def run_workload(
             if spec.arrival_s >= config.time_limit_s:
                 break
             await asyncio.sleep(started + spec.arrival_s - time.perf_counter())
-            task = asyncio.create_task(_send(channel, spec, prompt, run_id, started, deadline))
+            task = asyncio.create_task(_send(channel, spec, prompt, run_id, started, deadline, metadata))
             task.add_done_callback(lambda _: bar.update())
             tasks.append(task)
         records = list(await asyncio.gather(*tasks))
     return RunReport(label, rate, config.slo, summarize(records, config.slo), records)
 
 
-async def check_fits(channel: grpc.aio.Channel, specs: Sequence[RequestSpec]) -> None:
+async def check_fits(
+    channel: grpc.aio.Channel, specs: Sequence[RequestSpec], metadata: tuple[tuple[str, str], ...] = ()
+) -> None:
     """Fail before sending anything if the model cannot take these requests."""
-    info = await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    info = await pb_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest(), metadata=metadata or None)
     longest = max(s.prompt_tokens + s.output_tokens for s in specs)
     if longest > info.max_model_len or TOKEN_ID_RANGE[1] > info.vocab_size:
         raise ValueError(
@@ -330,35 +345,45 @@ async def check_fits(channel: grpc.aio.Channel, specs: Sequence[RequestSpec]) ->
         )
 
 
-async def warm_up(channel: grpc.aio.Channel, config: LoadConfig) -> None:
+async def warm_up(channel: grpc.aio.Channel, config: LoadConfig, metadata: tuple[tuple[str, str], ...] = ()) -> None:
     """Serial unmeasured requests of the profile's shape; a server that fails them stops the run."""
     quiet = replace(config, seed=-1 - config.seed, progress=False)  # a seed no measured run uses
     for spec in synthetic_workload(1.0, config.warmup, config.profile, quiet.seed):
-        report = await run_workload(channel, [replace(spec, arrival_s=0.0)], quiet, "warm-up", None)
+        report = await run_workload(channel, [replace(spec, arrival_s=0.0)], quiet, "warm-up", None, metadata)
         if not report.summary.completed:
             raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
 
 
-async def sweep(target: str, rates: Sequence[float], config: LoadConfig, label: str = "") -> list[RunReport]:
+async def sweep(
+    target: str,
+    rates: Sequence[float],
+    config: LoadConfig,
+    label: str = "",
+    credentials: ClientCredentials = ClientCredentials(),
+) -> list[RunReport]:
     """One Poisson run per rate, in order, on one channel; the same requests at every rate."""
     require_loopback(target)
-    async with grpc.aio.insecure_channel(target) as channel:
-        await check_fits(channel, synthetic_workload(1.0, config.num_requests, config.profile, config.seed))
-        await warm_up(channel, config)
+    metadata = credentials.metadata()
+    async with credentials.channel(target) as channel:
+        await check_fits(channel, synthetic_workload(1.0, config.num_requests, config.profile, config.seed), metadata)
+        await warm_up(channel, config, metadata)
         reports = []
         for rate in rates:
             specs = synthetic_workload(rate, config.num_requests, config.profile, config.seed)
-            reports.append(await run_workload(channel, specs, config, f"{label}{rate:g} req/s", rate))
+            reports.append(await run_workload(channel, specs, config, f"{label}{rate:g} req/s", rate, metadata))
             print(format_row(reports[-1]), file=sys.stderr, flush=True)
         return reports
 
 
-async def replay(target: str, specs: Sequence[RequestSpec], config: LoadConfig) -> RunReport:
+async def replay(
+    target: str, specs: Sequence[RequestSpec], config: LoadConfig, credentials: ClientCredentials = ClientCredentials()
+) -> RunReport:
     require_loopback(target)
-    async with grpc.aio.insecure_channel(target) as channel:
-        await check_fits(channel, specs)
-        await warm_up(channel, config)
-        return await run_workload(channel, specs, config, "trace", None)
+    metadata = credentials.metadata()
+    async with credentials.channel(target) as channel:
+        await check_fits(channel, specs, metadata)
+        await warm_up(channel, config, metadata)
+        return await run_workload(channel, specs, config, "trace", None, metadata)
 
 
 def _ms(value: float | None) -> str:
@@ -479,12 +504,15 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--rate", type=float, nargs="+", help="Poisson arrival rate(s), req/s; several: a sweep")
     source.add_argument("--trace", type=Path, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
     add_load_args(parser, num_requests=100, time_limit_s=120.0, out=Path("bench/results/loadgen.json"))
+    add_client_credential_args(parser)
     args = parser.parse_args(argv)
     config = load_config(args)
+    credentials = client_credentials(args)
     if args.trace:
-        reports = [asyncio.run(replay(args.target, parse_trace(args.trace.read_text().splitlines()), config))]
+        specs = parse_trace(args.trace.read_text().splitlines())
+        reports = [asyncio.run(replay(args.target, specs, config, credentials))]
     else:
-        reports = asyncio.run(sweep(args.target, args.rate, config))
+        reports = asyncio.run(sweep(args.target, args.rate, config, credentials=credentials))
     write_json(args.out, [asdict(r) for r in reports])
     plot_cdfs({args.target: reports}, args.out.with_name(f"{args.out.stem}_cdf.png"))
     if len(reports) > 1:

@@ -225,8 +225,9 @@ async def run_probe(config: ProbeConfig) -> ProbeResult:
     )
     # Colocated engines, with batches large enough to find the knee, placed as deployed:
     # prefill measured at the prefill TP, decode at the decode TP (one engine when equal).
-    stages = {config.prefill_tp: ["prefill"], config.decode_tp: []}
-    stages[config.decode_tp].append("decode")
+    stages: dict[int, list[str]] = {}
+    stages.setdefault(config.prefill_tp, []).append("prefill")
+    stages.setdefault(config.decode_tp, []).append("decode")
     for tp, measures in stages.items():
         sizing = EngineSizing(tensor_parallel_size=tp, max_num_seqs=max(config.decode_batches))
         colocated = DeploymentConfig(engine=engine, num_prefill=0, decode_sizing=sizing)

@@ -55,6 +55,13 @@ class DecodeWorker(EngineWorker):
                 [TransferStatLogger],
             )
 
+    async def release_transfer(self, handle: TransferHandle) -> None:
+        """The request behind `handle` will not be decoded (cancelled, expired): have its
+        producer free the blocks now. Any decode engine handshaken with that producer can."""
+        if self._transfer is None:
+            raise ValueError(f"{self.name} is a colocated engine: it has no NIXL connection to {handle.engine_id}")
+        await self._engine.release_transfer(handle.connector_params)
+
     async def generate(
         self, request: GenerateRequest, handle: TransferHandle | None = None
     ) -> AsyncIterator[TokenChunk]:

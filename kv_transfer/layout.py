@@ -115,6 +115,7 @@ class StateLayout:
             deltanet_state_slots=usable if state_groups else 0,
             blocks_per_max_length_request=per_request,
             max_concurrent_max_length_requests=min(max_num_seqs, usable // per_request),
+            max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
         )
@@ -139,6 +140,7 @@ class EngineCapacity:
     deltanet_state_slots: int  # 0 for attention-only models
     blocks_per_max_length_request: int
     max_concurrent_max_length_requests: int  # also bounded by max_num_seqs
+    max_num_seqs: int  # the engine's batch limit
     max_model_len: int
     tensor_parallel_size: int
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from router.deployment import DeploymentConfig
+    from router.security import ClientCredentials
+    from router.server import FrontDoorConfig
 
 DEFAULT_PROMPT = (
     "Prefill processes the prompt and creates state; decode consumes that state one token "
@@ -34,6 +36,18 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--decode", type=int, default=1, help="decode actors")
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
     serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port (0: off)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    door = serve.add_argument_group("front door")
+    door.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
+    door.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    door.add_argument("--tls-client-ca", help="PEM roots: require client certificates signed by them (mutual TLS)")
+    door.add_argument(
+        "--tokens-file", help="ROLE:TOKEN lines (roles generate, admin); default: $PDSERVE_TOKENS, else no auth"
+    )
+    door.add_argument("--max-in-flight", type=int, help="requests admitted at once (default: decode batch capacity)")
+    door.add_argument("--max-queue", type=int, help="requests waiting for a slot (default: as many as in flight)")
+    door.add_argument("--max-engines-per-pool", type=int, default=64, help="Admin.ScalePools refuses more")
+    door.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live streams get to finish on SIGTERM")
 
     gen = sub.add_parser("generate", help="stream a generation from a running server")
     gen.add_argument("prompt")
@@ -41,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    add_client_credential_args(gen)
 
     # Measurement and sizing tools keep their own argument parsers.
     sub.add_parser("plan", help="size engines from a model's config.json (weights, KV, state, blocks)", add_help=False)
@@ -67,10 +82,45 @@ def main(argv: list[str] | None = None) -> int:
             return asyncio.run(_demo(args))
         if args.command == "serve":
             return asyncio.run(_serve(args))
-    except ValueError as err:  # a configuration the engines cannot run: say why, no traceback
+        credentials = client_credentials(args)
+    except (ValueError, OSError) as err:  # a configuration that cannot run: say why, no traceback
         print(f"pdserve {args.command}: {err}", file=sys.stderr)
         return 2
-    return asyncio.run(_generate(args.target, args.prompt, args.timeout, max_tokens=args.max_tokens, temperature=args.temperature))
+    return asyncio.run(
+        _generate(
+            args.target, args.prompt, args.timeout, credentials, max_tokens=args.max_tokens, temperature=args.temperature
+        )
+    )
+
+
+def add_client_credential_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tls-ca", help="PEM roots to verify the server with (turns TLS on)")
+    parser.add_argument("--tls-cert", help="client certificate, for servers that require mutual TLS")
+    parser.add_argument("--tls-key", help="private key of --tls-cert")
+    parser.add_argument("--token-file", help="file holding the bearer token (default: $PDSERVE_TOKEN)")
+
+
+def client_credentials(args: argparse.Namespace) -> "ClientCredentials":
+    from router.security import ClientCredentials
+
+    return ClientCredentials.from_env(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
+
+
+def front_door_config(args: argparse.Namespace) -> "FrontDoorConfig":
+    from router.security import ServerTLS, TokenTable
+    from router.server import FrontDoorConfig
+
+    if bool(args.tls_cert) != bool(args.tls_key):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_client_ca and not args.tls_cert:
+        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
+    return FrontDoorConfig(
+        tls=ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
+        tokens=TokenTable.load(args.tokens_file),
+        max_in_flight=args.max_in_flight,
+        max_queue=args.max_queue,
+        max_pool_size=args.max_engines_per_pool,
+    )
 
 
 # Engine sizing flags: `--X` sets both pools, `--prefill-X` / `--decode-X` one pool.
@@ -143,7 +193,9 @@ class _Stack:
         self.deployment.shutdown()  # type: ignore[attr-defined]
 
 
-async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int, listen: str) -> _Stack:
+async def _bring_up(
+    args: argparse.Namespace, num_prefill: int, num_decode: int, listen: str, front: "FrontDoorConfig | None" = None
+) -> _Stack:
     from transformers import AutoTokenizer
 
     from router import ray_cluster
@@ -152,6 +204,7 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
     from vllm_engine.config import resolve_model
 
     config = deployment_config_from_args(args, num_prefill, num_decode)  # refuses bad TP pairings
+    front_kwargs = {"front": front} if front else {}
     model = resolve_model(args.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
     if args.address:
@@ -165,7 +218,7 @@ async def _bring_up(args: argparse.Namespace, num_prefill: int, num_decode: int,
         orchestrator = await deployment.start()
         for name, capacity in deployment.capacities.items():
             print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, tokenizer.encode, model, listen, scale=deployment.resize)
+        server = RouterServer(orchestrator, tokenizer.encode, model, listen, scale=deployment.resize, **front_kwargs)
         await server.start()
     except BaseException:
         deployment.shutdown()
@@ -179,40 +232,56 @@ async def _demo(args: argparse.Namespace) -> int:
     try:
         target = stack.server.address  # type: ignore[attr-defined]
         # Warm-up: the first request pays the one-time NIXL handshake between the pair.
-        await _generate(target, "warm up", None, quiet=True, max_tokens=2)
+        from router.security import ClientCredentials
+
+        local = ClientCredentials()  # the demo's own loopback server: no TLS, no tokens
+        await _generate(target, "warm up", None, local, quiet=True, max_tokens=2)
         print(f"\n{args.prompt}", end="", flush=True)
-        return await _generate(target, args.prompt, None, max_tokens=args.max_tokens, ignore_eos=True)
+        return await _generate(target, args.prompt, None, local, max_tokens=args.max_tokens, ignore_eos=True)
     finally:
         await stack.close()
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    stack = await _bring_up(args, args.prefill, args.decode, args.listen)
+    front = front_door_config(args)  # before any engine starts: a bad TLS or token file fails fast
+    stack = await _bring_up(args, args.prefill, args.decode, args.listen, front)
+    if front.tokens is None and not args.listen.startswith(("127.", "localhost", "[::1]")):
+        print(f"warning: {args.listen} is not loopback and no tokens are set: anyone who reaches it can "
+              "generate and resize the pools (--tokens-file)", file=sys.stderr)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
-        host = args.listen.rsplit(":", 1)[0]
-        start_http_server(args.metrics_port, addr=host)
-        print(f"router metrics on http://{host}:{args.metrics_port}/metrics", file=sys.stderr)
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+        print(f"router metrics on http://{args.metrics_host}:{args.metrics_port}/metrics", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    print("shutting down: stopping gRPC, killing actors", file=sys.stderr)
-    await stack.close()
+    server = stack.server
+    print(f"draining: no new requests, live streams get {args.drain_timeout:.0f}s to finish", file=sys.stderr)
+    finished = await server.drain(args.drain_timeout)  # type: ignore[attr-defined]
+    print(f"{'drained' if finished else 'drain timed out'}: stopping the engines", file=sys.stderr)
+    stack.deployment.shutdown()  # type: ignore[attr-defined]
     return 0
 
 
-async def _generate(target: str, prompt: str, timeout: float | None, quiet: bool = False, **sampling: object) -> int:
+async def _generate(
+    target: str,
+    prompt: str,
+    timeout: float | None,
+    credentials: "ClientCredentials",
+    quiet: bool = False,
+    **sampling: object,
+) -> int:
     import grpc
 
     from router.client import build_request, stream_generate
 
-    async with grpc.aio.insecure_channel(target) as channel:
+    async with credentials.channel(target) as channel:
         request = build_request(prompt, f"cli-{uuid.uuid4().hex[:8]}", **sampling)
         try:
-            async for response in stream_generate(channel, request, timeout):
+            async for response in stream_generate(channel, request, timeout, credentials.metadata()):
                 if response.HasField("chunk"):
                     if not quiet:
                         print(response.chunk.text, end="", flush=True)

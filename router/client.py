@@ -25,8 +25,12 @@ def build_request(
 
 
 async def stream_generate(
-    channel: grpc.aio.Channel, request: pb.GenerateRequest, timeout_s: float | None = None
+    channel: grpc.aio.Channel,
+    request: pb.GenerateRequest,
+    timeout_s: float | None = None,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> AsyncIterator[pb.GenerateResponse]:
+    """`metadata`: e.g. `ClientCredentials.metadata()` (the bearer token)."""
     stub = pb_grpc.GenerationStub(channel)
-    async for response in stub.Generate(request, timeout=timeout_s):
+    async for response in stub.Generate(request, timeout=timeout_s, metadata=metadata or None):
         yield response

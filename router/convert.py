@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import re
 import uuid
 from typing import Callable
 
@@ -15,12 +17,25 @@ from vllm_engine.requests import (
 )
 
 DEFAULT_MAX_TOKENS = 64
+# A client's request id is shown back to it and written to logs, never used inside engines.
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 
 
-def decode_request(message: pb.GenerateRequest, tokenize: Callable[[str], list[int]]) -> GenerateRequest:
+async def decode_request(
+    message: pb.GenerateRequest, tokenize: Callable[[str], list[int]], max_prompt_bytes: int
+) -> GenerateRequest:
+    """The internal request; text is tokenized on a worker thread, after its size is checked,
+    so a multi-MiB prompt never stalls the event loop that streams everyone's tokens."""
+    if message.request_id and not _REQUEST_ID.fullmatch(message.request_id):
+        raise InvalidRequestError(
+            "request_id", "1 to 128 characters from letters, digits and ._:@/+=- (or leave it empty)"
+        )
     kind = message.WhichOneof("prompt")
     if kind == "text":
-        prompt = tuple(tokenize(message.text))
+        size = len(message.text.encode())
+        if size > max_prompt_bytes:
+            raise InvalidRequestError("text", f"{size:,} bytes; at most {max_prompt_bytes:,} for this model")
+        prompt = tuple(await asyncio.to_thread(tokenize, message.text))
     elif kind == "token_ids":
         prompt = tuple(message.token_ids.ids)
     else:

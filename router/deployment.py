@@ -190,7 +190,7 @@ class Deployment:
         await asyncio.gather(*(m.actor.ready.remote() for m in members))
         capacities = await asyncio.gather(*(m.actor.capacity.remote() for m in members))
         for member, capacity in zip(members, capacities):
-            self.capacities[member.name] = capacity
+            self.capacities[member.name] = member.capacity = capacity
             log.info("%s: %s", member.name, capacity.summary())
 
     async def _drain(self, member: Member, timeout_s: float) -> None:

@@ -23,6 +23,9 @@ OUTPUT_RATE = Histogram("pdserve_output_tokens_per_second", "Decode tokens per s
 TRANSFER_BYTES = Counter("pdserve_request_transfer_bytes_total", "State bytes moved for requests", ["kind"])
 REQUESTS = Counter("pdserve_requests_total", "Finished requests by outcome", ["outcome"])
 MIGRATIONS = Counter("pdserve_migrations_total", "Streams resumed on another decode actor")
+LOCAL_PREFILL_FALLBACKS = Counter(
+    "pdserve_local_prefill_fallbacks_total", "Requests prefilled on a decode engine because no prefill actor was live"
+)
 
 _A = ["role", "actor"]
 RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor's engine", _A)

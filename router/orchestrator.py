@@ -10,8 +10,10 @@ one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal
 
@@ -22,7 +24,7 @@ from kv_transfer.handle import TransferHandle
 from kv_transfer.layout import TransferBytes
 from prefill_worker.worker import PrefillResult
 from router import metrics
-from router.pools import Member, Pool
+from router.pools import Member, NoWorkerError, Pool
 from router.timings import LatencySummary, PhaseTimings
 from vllm_engine.requests import (
     GenerateRequest,
@@ -45,10 +47,22 @@ class RouterPolicy:
     # 64) where a short prefill costs less than a transfer. At least 3 on CPU hybrids:
     # prefill computes N-1 tokens and vLLM 0.32's CPU conv kernel fails on 1-token prefills.
     local_prefill_below: int = 3
+    # No live prefill actor: prefill on the decode engine ("local"; service degraded, not down)
+    # or refuse with UNAVAILABLE ("fail").
+    on_prefill_unavailable: Literal["local", "fail"] = "local"
+    # Every wait on a remote actor is bounded: a prefill, a gap between two decode chunks,
+    # a release of a producer's blocks.
+    prefill_timeout_s: float = 300.0
+    stall_timeout_s: float = 120.0
+    release_timeout_s: float = 5.0
 
 
 class DecodeFailedError(RuntimeError):
-    """The decode actor serving a request died and the policy says not to resume."""
+    """The decode actor serving a request died (or stalled) and the policy says not to resume."""
+
+
+class PrefillTimeoutError(RuntimeError):
+    """A prefill actor did not finish a prefill within the policy's bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +106,7 @@ class Orchestrator:
         # (prefill, decode) actor pairs whose NIXL handshake was done ahead of traffic,
         # with how long that first transfer took.
         self.handshakes: dict[tuple[str, str], float] = {}
+        self._background: set[asyncio.Task[None]] = set()  # releases in flight
 
     async def refresh(self, poll_timeout_s: float, handshake_timeout_s: float = 30.0) -> None:
         """Poll both pools. An actor that joins (start-up, restart) first completes its NIXL
@@ -129,13 +144,20 @@ class Orchestrator:
         migrations = 0
         current = request
         while True:
-            local = self.colocated or len(current.prompt_token_ids) < self.policy.local_prefill_below
-            prefill_member, prefill = (None, None) if local else await self._prefill(current)
+            # Engines see a fresh id per leg (prefill + decode, or a migration's resume):
+            # clients' ids are theirs to repeat; they are kept for display and logs only.
+            leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
+            prefill_member, prefill = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
-            decode_member = self.decode.pick_decode()
+            handle = prefill.handle if prefill else None
             try:
-                handle = prefill.handle if prefill else None
-                async for chunk in self._decode(decode_member, current, handle, progress):
+                decode_member = self.decode.pick_decode()
+            except NoWorkerError:
+                if handle is not None:
+                    self._release_soon(handle)
+                raise
+            try:
+                async for chunk in self._decode(decode_member, leg, handle, progress):
                     yield chunk
                 break
             except RayActorError as err:
@@ -168,10 +190,20 @@ class Orchestrator:
     ) -> AsyncIterator[TokenChunk]:
         member.outstanding_requests += 1
         stream = member.actor.generate.remote(request, handle)
-        finished = False
+        started = finished = False
         try:
-            async for ref in stream:
-                chunk: TokenChunk = await ref
+            while not finished:
+                try:
+                    ref = await asyncio.wait_for(anext(stream), self.policy.stall_timeout_s)
+                    chunk: TokenChunk = await asyncio.wait_for(ref, self.policy.stall_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise DecodeFailedError(
+                        f"decode actor {member.name} sent nothing for {self.policy.stall_timeout_s:.0f}s "
+                        f"while serving {request.request_id}"
+                    ) from None
+                started = True
                 progress.add(chunk)
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -179,6 +211,23 @@ class Orchestrator:
             member.outstanding_requests -= 1
             if not finished:  # caller left early or the actor failed: stop the engine too
                 ray.cancel(stream)
+            if handle is not None and not started:
+                # Cancelled or failed before decode produced anything: the producer may
+                # still hold the blocks; have it free them now, not at lease expiry.
+                self._release_soon(handle)
+
+    async def _prefill_or_local(self, request: GenerateRequest) -> tuple[Member | None, PrefillResult | None]:
+        """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill actor
+        under policy "local") leave the prompt to the decode engine."""
+        if self.colocated or len(request.prompt_token_ids) < self.policy.local_prefill_below:
+            return None, None
+        try:
+            return await self._prefill(request)
+        except NoWorkerError:
+            if self.policy.on_prefill_unavailable == "fail":
+                raise
+            metrics.LOCAL_PREFILL_FALLBACKS.inc()
+            return None, None
 
     async def _prefill(self, request: GenerateRequest) -> tuple[Member, PrefillResult]:
         """Prefill on the best live actor; an actor that dies meanwhile is marked and skipped."""
@@ -188,16 +237,48 @@ class Orchestrator:
             member.outstanding_requests += 1
             member.outstanding_prompt_tokens += tokens
             ref = member.actor.prefill.remote(request)
+            pending = asyncio.ensure_future(_resolve(ref))
             try:
-                return member, await ref
+                return member, await asyncio.wait_for(asyncio.shield(pending), self.policy.prefill_timeout_s)
             except RayActorError:
                 member.alive = False
-            except BaseException:
+            except asyncio.TimeoutError:
                 ray.cancel(ref)
+                self._release_when_done(pending)
+                raise PrefillTimeoutError(
+                    f"prefill actor {member.name} did not finish within {self.policy.prefill_timeout_s:.0f}s"
+                ) from None
+            except BaseException:
+                # The caller left (cancel, deadline). Aborting is no use here: a prefill is
+                # often one engine step, which completes anyway and then holds its blocks for a
+                # decode that never comes until the lease runs out. Let it finish; free them then.
+                self._release_when_done(pending)
                 raise
             finally:
                 member.outstanding_requests -= 1
                 member.outstanding_prompt_tokens -= tokens
+
+    def _release_when_done(self, pending: asyncio.Future[PrefillResult]) -> None:
+        def release(done: asyncio.Future[PrefillResult]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                self._release_soon(done.result().handle)
+
+        pending.add_done_callback(release)
+
+    def _release_soon(self, handle: TransferHandle) -> None:
+        """Ask a live decode actor to tell the producer to free `handle`'s blocks (runs on
+        its own: the caller may be a cancelled request)."""
+
+        async def release() -> None:
+            try:
+                member = self.decode.pick_decode()
+                await asyncio.wait_for(member.actor.release_transfer.remote(handle), self.policy.release_timeout_s)
+            except Exception:  # the lease still frees them; never fail a request over it
+                log.warning("could not release %s on %s early", handle.request_id, handle.engine_id, exc_info=True)
+
+        task = asyncio.get_running_loop().create_task(release())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
 
 
@@ -215,6 +296,10 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
         e2e_s=time.perf_counter() - arrived,
         transfer_bytes=prefill.handle.bytes if prefill else TransferBytes(0, 0),
     )
+
+
+async def _resolve(ref) -> PrefillResult:  # noqa: ANN001 (a Ray ObjectRef)
+    return await ref
 
 
 async def _drain(stream) -> None:  # noqa: ANN001

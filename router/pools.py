@@ -12,6 +12,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from kv_transfer.layout import EngineCapacity
 from vllm_engine.engine import EngineLoad
 
 
@@ -27,6 +28,7 @@ class Member:
     alive: bool = False
     draining: bool = False  # being removed: finishes its requests, never picked again
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
+    capacity: EngineCapacity | None = None  # reported once the engine is up
 
 
 @dataclass(slots=True)

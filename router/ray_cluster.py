@@ -3,6 +3,10 @@
 A local cluster gets a private temp dir, a loopback node address (Ray rewrites 127.0.0.1
 to the host's address; 127.0.0.2 stays on loopback), no dashboard, auth and usage stats
 off. It never runs `ray stop`: that kills every Ray process of the user.
+
+Joining a cluster leaves Ray's authentication to the cluster's own environment: the nodes of
+deploy/'s configs export RAY_AUTH_MODE=token and hold the token in ~/.ray/auth_token, and
+address "auto" turns token mode on by itself where that file exists.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ray
 PREFILL_RESOURCE = "pdserve_prefill"
 DECODE_RESOURCE = "pdserve_decode"
 
+# A private local cluster only: a joined cluster's auth mode is never overridden.
 ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 
 
@@ -52,6 +57,7 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
 
 
 def join(address: str) -> None:
-    for key, value in ISOLATION_ENV.items():  # the cluster's own settings (e.g. token auth) win
-        os.environ.setdefault(key, value)
+    """Connect to a running cluster. RAY_AUTH_MODE stays as the environment has it: setting
+    it here would switch a client of a token-auth cluster to no auth (refused)."""
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(address=address, namespace="pdserve", log_to_driver=False)

@@ -1,9 +1,11 @@
-"""The router's async gRPC server: Generate streaming, model info, health and reflection."""
+"""The router's async gRPC server: Generate streaming, model info, admin, health, reflection,
+and the front door around them (TLS, tokens, admission, input limits, graceful drain)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -17,45 +19,91 @@ from kv_transfer.handle import HandleExpiredError
 from prefill_worker.worker import PrefillFailedError
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+from router.admission import AdmissionController, AdmissionLimits, DrainingError, OverloadedError
 from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
-from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator
+from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator, PrefillTimeoutError
 from router.pools import NoWorkerError
+from router.security import AuthInterceptor, ServerTLS, TokenTable
 from vllm_engine.requests import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
-_UNAVAILABLE = (
-    NoWorkerError,
-    TransferFailedError,
-    HandleExpiredError,
-    PrefillFailedError,
-    DecodeFailedError,
-    RayActorError,
-)
+# Per-pool health (the overall status stays SERVING while decode engines can prefill locally).
+PREFILL_HEALTH, DECODE_HEALTH = f"{SERVICE_NAME}/prefill", f"{SERVICE_NAME}/decode"
+# What each known failure tells the client (never a remote traceback or node address).
+_UNAVAILABLE: dict[type[BaseException], str] = {
+    NoWorkerError: "no live engine for this request: retry shortly",
+    TransferFailedError: "decode could not load the request's state from prefill: retry",
+    HandleExpiredError: "the prefilled state expired before decode read it: retry",
+    PrefillFailedError: "prefill failed: retry",
+    PrefillTimeoutError: "prefill timed out: retry",
+    DecodeFailedError: "the decode engine serving this request failed: retry",
+    RayActorError: "an engine serving this request died: retry",
+    DrainingError: "this router is shutting down: retry on another",
+}
+# gRPC's standard trailer for how long a client should wait before retrying.
+RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+
+
+@dataclass(frozen=True, slots=True)
+class FrontDoorConfig:
+    tls: ServerTLS | None = None
+    tokens: TokenTable | None = None  # None: no authentication (loopback, tests)
+    # Admission: None derives from the decode pool (sum of its engines' max_num_seqs); the
+    # queue defaults to as many requests again.
+    max_in_flight: int | None = None
+    max_queue: int | None = None
+    max_prompt_bytes_per_token: int = 32  # text prompts: bytes allowed per max_model_len token
+    max_concurrent_streams: int = 4096  # per HTTP/2 connection
+    max_message_bytes: int = 4 << 20
+    max_pool_size: int = 64  # Admin.ScalePools refuses more engines per pool
 
 
 class GenerationService(pb_grpc.GenerationServicer):
-    def __init__(self, orchestrator: Orchestrator, tokenize: Callable[[str], list[int]], model: str) -> None:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        tokenize: Callable[[str], list[int]],
+        model: str,
+        admission: AdmissionController,
+        max_prompt_bytes: int,
+    ) -> None:
         self._orchestrator = orchestrator
         self._tokenize = tokenize
         self._model = model
+        self._admission = admission
+        self._max_prompt_bytes = max_prompt_bytes
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):  # noqa: N802
+        refusal: tuple[grpc.StatusCode, str, str] | None = None
         try:
-            generate_request = decode_request(request, self._tokenize)
-            async for event in self._orchestrator.generate(generate_request):
-                if isinstance(event, GenerationResult):
-                    yield encode_final(generate_request.request_id, event)
-                else:
-                    yield encode_chunk(event)
+            generate_request = await decode_request(request, self._tokenize, self._max_prompt_bytes)
+            generate_request.validate(self._orchestrator.limits)  # before it takes a slot
+            async with self._admission.admitted():
+                async for event in self._orchestrator.generate(generate_request):
+                    if isinstance(event, GenerationResult):
+                        yield encode_final(generate_request.request_id, event)
+                    else:
+                        yield encode_chunk(event)
         except InvalidRequestError as err:
-            REQUESTS.labels("invalid_argument").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(err))
-        except _UNAVAILABLE as err:
-            REQUESTS.labels("unavailable").inc()
-            await context.abort(grpc.StatusCode.UNAVAILABLE, _first_line(err))
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid_argument")
+        except OverloadedError as err:
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(int(err.retry_after_s * 1000))),))
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "resource_exhausted")
+        except tuple(_UNAVAILABLE) as err:
+            message = next(text for kind, text in _UNAVAILABLE.items() if isinstance(err, kind))
+            log.warning("request %s: %s", request.request_id, err)
+            refusal = (grpc.StatusCode.UNAVAILABLE, message, "unavailable")
+        except Exception:
+            log.exception("request %s failed", request.request_id or "(no client id)")
+            message = f"internal error serving request {request.request_id or '(no id)'}; the router's log has details"
+            refusal = (grpc.StatusCode.INTERNAL, message, "internal")
+        if refusal is not None:
+            code, message, outcome = refusal
+            REQUESTS.labels(outcome).inc()
+            await context.abort(code, message)
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         limits = self._orchestrator.limits
@@ -73,23 +121,37 @@ Scaler = Callable[[int, int, "tuple[int, int] | None"], Awaitable[tuple[int, int
 
 
 class AdminService(pb_grpc.AdminServicer):
-    def __init__(self, scale: Scaler | None) -> None:
+    def __init__(self, scale: Scaler | None, max_pool_size: int) -> None:
         self._scale = scale
+        self._max_pool_size = max_pool_size
+        self._resizing = asyncio.Lock()  # one resize at a time
 
     async def ScalePools(self, request: pb.ScalePoolsRequest, context: grpc.aio.ServicerContext):  # noqa: N802
         if self._scale is None:
             await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this router does not own its pools")
-        try:
-            tensor_parallel = (request.prefill_tp, request.decode_tp) if request.prefill_tp or request.decode_tp else None
-            prefill, decode = await self._scale(request.prefill, request.decode, tensor_parallel)
-        except ValueError as err:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        return pb.PoolSizes(prefill=prefill, decode=decode)
+        if max(request.prefill, request.decode) > self._max_pool_size:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"pool sizes {request.prefill}/{request.decode}: at most {self._max_pool_size} engines per pool",
+            )
+        if self._resizing.locked():
+            await context.abort(grpc.StatusCode.ABORTED, "a resize is already in progress: retry when it is done")
+        async with self._resizing:
+            try:
+                tp = (request.prefill_tp, request.decode_tp) if request.prefill_tp or request.decode_tp else None
+                prefill, decode = await self._scale(request.prefill, request.decode, tp)
+            except (ValueError, RuntimeError) as err:
+                refusal = str(err)
+            else:
+                return pb.PoolSizes(prefill=prefill, decode=decode)
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[-1] if text else type(err).__name__
+def admission_limits(orchestrator: Orchestrator, front: FrontDoorConfig) -> AdmissionLimits:
+    """The decode pool's batch capacity: what its live engines run at once."""
+    live = [m for m in orchestrator.decode.members if m.alive and m.capacity]
+    in_flight = front.max_in_flight or max(1, sum(m.capacity.max_num_seqs for m in live))  # type: ignore[union-attr]
+    return AdmissionLimits(in_flight, in_flight if front.max_queue is None else front.max_queue)
 
 
 class RouterServer:
@@ -103,14 +165,26 @@ class RouterServer:
         address: str = "127.0.0.1:0",
         health_interval_s: float = 0.5,
         scale: Scaler | None = None,
+        front: FrontDoorConfig = FrontDoorConfig(),
     ) -> None:
         self._orchestrator = orchestrator
-        self._server = grpc.aio.server()
+        self.front = front
+        self.admission = AdmissionController(lambda: admission_limits(orchestrator, front))
+        self._server = grpc.aio.server(
+            interceptors=[AuthInterceptor(front.tokens)] if front.tokens else None,
+            options=[
+                ("grpc.max_concurrent_streams", front.max_concurrent_streams),
+                ("grpc.max_receive_message_length", front.max_message_bytes),
+                ("grpc.max_send_message_length", front.max_message_bytes),
+            ],
+        )
         self._health = HealthServicer()
         self._health_interval_s = health_interval_s
         self._monitor: asyncio.Task[Any] | None = None
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(orchestrator, tokenize, model), self._server)
-        pb_grpc.add_AdminServicer_to_server(AdminService(scale), self._server)
+        max_prompt_bytes = front.max_prompt_bytes_per_token * orchestrator.limits.max_model_len
+        generation = GenerationService(orchestrator, tokenize, model, self.admission, max_prompt_bytes)
+        pb_grpc.add_GenerationServicer_to_server(generation, self._server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(scale, front.max_pool_size), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             (
@@ -121,13 +195,25 @@ class RouterServer:
             ),
             self._server,
         )
-        self.port = self._server.add_insecure_port(address)
+        if front.tls:
+            self.port = self._server.add_secure_port(address, front.tls.credentials())
+        else:
+            self.port = self._server.add_insecure_port(address)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     async def start(self) -> None:
         await self._update_health()
         await self._server.start()
         self._monitor = asyncio.create_task(self._monitor_pools())
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting (health NOT_SERVING, new requests UNAVAILABLE), let live streams
+        finish for up to `timeout_s`, then stop. True if every stream finished in time."""
+        self.admission.start_draining()
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        finished = await self.admission.wait_idle(timeout_s)
+        await self.stop(0)
+        return finished
 
     async def stop(self, grace_s: float = 2.0) -> None:
         if self._monitor:
@@ -149,7 +235,16 @@ class RouterServer:
     async def _update_health(self) -> None:
         o = self._orchestrator
         await o.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
-        serving = o.decode.has_live_member and (o.colocated or o.prefill.has_live_member)
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        if self.admission.draining:
+            return
+        serving = health_pb2.HealthCheckResponse.SERVING
+        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+        # Prefill can fall back to the decode engines, so only the decode pool decides.
+        await self._set_health(serving if o.decode.has_live_member else not_serving)
+        await self._health.set(DECODE_HEALTH, serving if o.decode.has_live_member else not_serving)
+        if not o.colocated:  # degraded, not down, while prefill has no live actor
+            await self._health.set(PREFILL_HEALTH, serving if o.prefill.has_live_member else not_serving)
+
+    async def _set_health(self, status: int) -> None:
         await self._health.set("", status)
         await self._health.set(SERVICE_NAME, status)

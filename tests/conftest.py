@@ -82,14 +82,16 @@ class ServedStack:
     background thread as it would in `pdserve serve` (it keeps handling cancellations and
     health polls between a test's client calls)."""
 
-    def __init__(self, dep, model_path: str, health_interval_s: float = 0.2) -> None:
+    def __init__(self, dep, model_path: str, health_interval_s: float = 0.2, front=None, credentials=None) -> None:
         import threading
 
         from transformers import AutoTokenizer
 
-        from router.server import RouterServer
+        from router.security import ClientCredentials
+        from router.server import FrontDoorConfig, RouterServer
 
         self.dep = dep
+        self.credentials = credentials or ClientCredentials()
         orchestrator = run(dep.start()) if dep.orchestrator is None else dep.orchestrator
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.loop = asyncio.new_event_loop()
@@ -97,18 +99,24 @@ class ServedStack:
         self._thread.start()
 
         async def start_server():
-            server = RouterServer(orchestrator, tokenizer.encode, model_path, health_interval_s=health_interval_s, scale=dep.resize)
+            server = RouterServer(
+                orchestrator,
+                tokenizer.encode,
+                model_path,
+                health_interval_s=health_interval_s,
+                scale=dep.resize,
+                front=front or FrontDoorConfig(),
+            )
             await server.start()
             return server
 
         self.server = asyncio.run_coroutine_threadsafe(start_server(), self.loop).result()
 
-    def call(self, coro_fn: Callable[[Any], Awaitable[T]], timeout_s: float = 300) -> T:
+    def call(self, coro_fn: Callable[[Any], Awaitable[T]], timeout_s: float = 300, credentials=None) -> T:
         """Run a client coroutine on the server's loop (grpc.aio objects are loop-bound)."""
-        import grpc
 
         async def with_channel():
-            async with grpc.aio.insecure_channel(self.server.address) as channel:
+            async with (credentials or self.credentials).channel(self.server.address) as channel:
                 return await coro_fn(channel)
 
         return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
@@ -120,12 +128,12 @@ class ServedStack:
         self.dep.shutdown()
 
 
-async def stream_tokens(channel, request, timeout_s: float | None = None):
+async def stream_tokens(channel, request, timeout_s: float | None = None, metadata=()):
     """(token ids, text, final message) of one streamed generation."""
     from router.client import stream_generate
 
     tokens, texts, final = [], [], None
-    async for response in stream_generate(channel, request, timeout_s):
+    async for response in stream_generate(channel, request, timeout_s, metadata):
         if response.HasField("chunk"):
             tokens.extend(response.chunk.token_ids)
             texts.append(response.chunk.text)

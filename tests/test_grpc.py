@@ -202,8 +202,9 @@ def test_tune_apply_resizes_the_pools_through_admin(stack):
     from bench.tuner.cli import _apply
     from bench.tuner.simulator import Placement
 
-    assert _apply(stack.server.address, Placement(prefill=1, decode=1)) == 0
-    assert _apply(stack.server.address, Placement(prefill=0, decode=2)) == 1  # mode switch refused
+    assert _apply(stack.server.address, Placement(prefill=1, decode=1), tp=1) == 0
+    assert _apply(stack.server.address, Placement(prefill=0, decode=2), tp=1) == 1  # mode switch refused
+    assert _apply(stack.server.address, Placement(prefill=1, decode=1), tp=4) == 1  # a plan for TP-4 engines
 
 
 def test_reflection_lists_the_services(stack):
@@ -217,8 +218,9 @@ def test_reflection_lists_the_services(stack):
     assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
 
 
-def test_health_serving_only_while_both_pools_have_a_live_actor(stack):
-    """Runs last in this module: it kills the decode actor."""
+def test_health_not_serving_without_a_live_decode_actor(stack):
+    """Runs last in this module: it kills the decode actor. (Without prefill actors the
+    service stays SERVING, degraded: decode engines prefill; test_front_door covers it.)"""
     import ray
 
     dep = stack.dep

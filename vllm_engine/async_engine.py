@@ -11,10 +11,11 @@ is used as is; pdserve adds only two small readers:
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import EngineLoad, prepare_process
+from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
 from vllm_engine.requests import ModelLimits
 
 if TYPE_CHECKING:
@@ -104,17 +105,22 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
-        from vllm.v1.engine.exceptions import EngineDeadError
+        from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         try:
             async for output in self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
                 yield output
-        except EngineDeadError as exc:
+        except VllmEngineDeadError as exc:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
             raise
 
+    async def release_transfer(self, kv_transfer_params: dict[str, Any]) -> None:
+        await self._llm.notify_kv_transfer_request_rejected(f"release-{uuid.uuid4().hex}", kv_transfer_params)
+
     def load(self) -> EngineLoad:
+        if self._llm.errored:
+            raise EngineDeadError(f"vLLM's engine core died: {self._llm.dead_error!r}")
         stats = self._stats.latest
         if stats is None:
             return EngineLoad(0, 0, 0, self._total_blocks, self._total_blocks)

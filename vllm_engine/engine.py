@@ -47,9 +47,20 @@ class Engine(Protocol):
         """This request's outputs; leaving early (break, cancel) aborts it in the engine."""
         ...
 
-    def load(self) -> EngineLoad: ...
+    async def release_transfer(self, kv_transfer_params: dict[str, Any]) -> None:
+        """Tell the producer named in these params (over NIXL) that its blocks will never be
+        read, so it frees them now instead of at lease expiry (decode role only)."""
+        ...
+
+    def load(self) -> EngineLoad:
+        """Raises EngineDeadError when the engine can no longer serve."""
+        ...
 
     def shutdown(self) -> None: ...
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's loop or process is gone: route nothing more to it."""
 
 
 def start_engine(

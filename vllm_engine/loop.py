@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_threads, parse_cores
-from vllm_engine.engine import EngineLoad, prepare_process
+from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
 from vllm_engine.requests import ModelLimits
 
 if TYPE_CHECKING:
@@ -47,6 +47,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(frozen=True, slots=True)
+class _Release:
+    kv_transfer_params: dict[str, Any]
+
+
 class EngineLoop:
     def __init__(self, engine: "LLMEngine", on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._engine = engine
@@ -54,7 +59,8 @@ class EngineLoop:
         # told, then `on_fatal` decides (a Ray actor exits so Ray restarts it).
         self._on_fatal = on_fatal
         self._scheduler = engine.engine_core.engine_core.scheduler
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Release | None] = queue.SimpleQueue()
+        self._step_once = False  # a release must reach the connector even with nothing to run
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
@@ -117,7 +123,12 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._send(_Abort(request_id))
 
+    async def release_transfer(self, kv_transfer_params: dict[str, Any]) -> None:
+        self._send(_Release(dict(kv_transfer_params)))
+
     def load(self) -> EngineLoad:
+        if not self._thread.is_alive():
+            raise EngineDeadError("the engine loop thread has exited")
         # Read from another thread without locking: counters only, a stale value is fine.
         running, waiting = self._scheduler.get_request_counts()
         pool = self._scheduler.kv_cache_manager.block_pool
@@ -134,7 +145,7 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _send(self, command: _Add | _Abort) -> None:
+    def _send(self, command: _Add | _Abort | _Release) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -142,7 +153,8 @@ class EngineLoop:
         while True:
             if not self._apply_commands():
                 return
-            if self._scheduler.has_unfinished_requests():
+            if self._scheduler.has_unfinished_requests() or self._step_once:
+                self._step_once = False
                 self._step()
             elif self._scheduler.has_requests():
                 self._step()  # lets the connector free blocks once a peer has read them
@@ -162,6 +174,10 @@ class EngineLoop:
             if isinstance(command, _Abort):
                 if self._sinks.pop(command.request_id, None) is not None:
                     self._engine.abort_request([command.request_id])
+                continue
+            if isinstance(command, _Release):
+                self._engine.engine_core.add_request(_pre_aborted(command.kv_transfer_params))
+                self._step_once = True
                 continue
             try:
                 self._engine.add_request(
@@ -189,3 +205,27 @@ class EngineLoop:
             if output.finished:
                 del self._sinks[output.request_id]
             sink(output)
+
+
+def _pre_aborted(kv_transfer_params: dict[str, Any]) -> Any:
+    """A request aborted on arrival that carries a producer's transfer params: the consumer's
+    NixlConnector then notifies the producer to free the blocks (vLLM's own mechanism; this
+    mirrors AsyncLLM.notify_kv_transfer_request_rejected, which LLMEngine lacks)."""
+    import time
+    import uuid
+
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=f"release-{uuid.uuid4().hex}",
+        prompt_token_ids=[0],
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv_transfer_params}),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+        abort_immediately=True,
+    )

@@ -22,6 +22,13 @@ class InvalidRequestError(ValueError):
         return (type(self), (self.field, self.message))
 
 
+# Caps on what one request may ask of an engine: vLLM checks every stop string on every
+# token, on the engine thread that serves the whole batch.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     max_model_len: int
@@ -59,8 +66,14 @@ class SamplingConfig:
             )
         if not 0 <= self.logprobs <= 20:
             raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("stop", f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+        if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
+            raise InvalidRequestError("stop", f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequestError(
+                "stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
+            )
 
     def to_vllm(self, **overrides: Any) -> "SamplingParams":
         from vllm import SamplingParams
