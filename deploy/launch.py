@@ -19,9 +19,9 @@ SERVE_ARGS come after those and override them, flag by flag (e.g. --model DIR --
 or the front door's --max-in-flight N --max-queue N --drain-timeout S).
 
 The front door: --tls-dir and --tokens-file name paths on the head, relative ones in its home
-(copy the files there with the config's file_mounts, or `ray rsync-up`). --tls-dir holds server.pem and server.key, and
-client-ca.pem for mutual TLS if there; --tokens-file has ROLE:TOKEN lines (roles generate,
-admin). The router listens on 0.0.0.0:50051 when it has both TLS and tokens, else on the
+(copy the files there with the config's file_mounts, or `ray rsync-up`). --tls-dir holds
+server.pem and server.key, and client-ca.pem for mutual TLS if there; --tokens-file has
+ROLE:TOKEN lines (roles generate, admin). The router listens on 0.0.0.0:50051 when it has both TLS and tokens, else on the
 head's 127.0.0.1:50051 (reach it with `ray exec`), unless --listen says otherwise. Its
 metrics stay on the head's loopback (--metrics-host 127.0.0.1; a SERVE_ARGS --metrics-host
 PRIVATE_IP lets a Prometheus in the cluster's private network scrape it). --stop sends the

@@ -2,8 +2,9 @@
 
 - Ray's fake multi-node provider with deploy/aws-h100.yaml's node types: actors asking for
   what an engine asks for launch a node of the matching type; idle nodes are released.
-- `ray up` of deploy/onprem.yaml on loopback: three SSH "hosts" (head, prefill, decode),
-  deploy/launch.py brings up the router and pools, one gRPC generation, `ray down`.
+- `ray up` of deploy/onprem.yaml on loopback: three SSH "hosts" (head, prefill, decode), Ray
+  token authentication on as the config sets it up, deploy/launch.py brings up the router and
+  pools behind TLS and tokens, one gRPC generation, `ray down`.
 
 `Sandbox` gives each test private network (loopback only), PID and mount namespaces with
 their own /root and /tmp, so nothing touches another Ray on this machine, root's real home
@@ -12,6 +13,8 @@ or /tmp, and killing the sandbox's first process kills everything started inside
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import os
 import re
@@ -246,15 +249,20 @@ MaxSessions 100
 LogLevel ERROR
 """
 
-# What the on-prem setup commands leave in ~/.bashrc (~/pdserve is this checkout here), plus:
+# What the on-prem setup commands leave in ~/.bashrc (~/pdserve is this checkout here; the
+# config's own ~/.bashrc setup commands still run and add `export RAY_AUTH_MODE=token`), plus:
 # the hosts count as CPU hosts even on a GPU machine (no nvidia-smi: one engine slot each);
 # `ray down` stops only the head's Ray on the local provider, and a worker's raylet exits once
 # the head's GCS has been gone this long (60 s by default; its agents follow within a minute).
 BASHRC = """\
 source ~/pdserve/.venv/bin/activate
 export PATH=~/cpu-host:$PATH
-export RAY_AUTH_MODE=disabled RAY_USAGE_STATS_ENABLED=0 RAY_gcs_rpc_server_reconnect_timeout_s=10
+export RAY_USAGE_STATS_ENABLED=0 RAY_gcs_rpc_server_reconnect_timeout_s=10
 """
+# The router's front door, as deploy/README.md sets it up: TLS files and tokens in ~/pdserve-front
+# (copied by the file_mounts line onprem.yaml has commented out).
+FRONT = "pdserve-front"
+GENERATE_TOKEN = "gen-" + "loopback" * 4
 
 
 def _ensure_ssh_tools() -> None:
@@ -295,13 +303,17 @@ def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
 
 
 def loopback_config() -> dict:
-    """deploy/onprem.yaml with the loopback hosts, root's sandbox key, and no install (the
-    hosts share this checkout's venv)."""
+    """deploy/onprem.yaml with the loopback hosts, root's sandbox key, the front door's files
+    mounted, and no install (the hosts share this checkout's venv): of the setup commands only
+    those that write ~/.bashrc run, Ray's token auth among them."""
     config = yaml.safe_load((DEPLOY / "onprem.yaml").read_text())
     config["cluster_name"] = "pdserve-loopback"
     config["provider"].update(head_ip=HEAD, worker_ips=[PREFILL_HOST, DECODE_HOST])
     config["auth"] = {"ssh_user": "root", "ssh_private_key": SSH_KEY}
-    config["setup_commands"] = []
+    config["setup_commands"] = [c for c in config["setup_commands"] if c.endswith(">> ~/.bashrc")]
+    assert any("RAY_AUTH_MODE=token" in c for c in config["setup_commands"]), "onprem.yaml no longer sets token auth"
+    assert config["file_mounts"].get("~/.ray/auth_token") == "~/.ray/auth_token", "onprem.yaml mounts no Ray token"
+    config["file_mounts"][f"~/{FRONT}"] = f"~/{FRONT}"
     *before, start = config["worker_start_ray_commands"]
     start, n_prefill = re.subn(r'PREFILL_HOSTS="[^"]*"', f'PREFILL_HOSTS="{PREFILL_HOST}"', start)
     start, n_decode = re.subn(r'DECODE_HOSTS="[^"]*"', f'DECODE_HOSTS="{DECODE_HOST}"', start)
@@ -312,9 +324,49 @@ def loopback_config() -> dict:
     return config
 
 
+def write_front_door(directory: Path) -> None:
+    """A CA, a server certificate for the head's address, tokens for the router, a client token."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+
+    def certificate(name: str, key, issuer: x509.Name, issuer_key, ca: bool) -> x509.Certificate:  # noqa: ANN001
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HEAD))])
+            builder = builder.add_extension(san, critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loopback CA")])
+    directory.mkdir(mode=0o700)
+    pem = serialization.Encoding.PEM
+    (directory / "ca.pem").write_bytes(certificate("loopback CA", ca_key, ca_name, ca_key, True).public_bytes(pem))
+    (directory / "server.pem").write_bytes(certificate(HEAD, server_key, ca_name, ca_key, False).public_bytes(pem))
+    (directory / "server.key").write_bytes(
+        server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    (directory / "tokens").write_text(f"generate:{GENERATE_TOKEN}\nadmin:adm-{'x' * 28}\n")
+    (directory / "client-token").write_text(GENERATE_TOKEN)
+
+
 def prepare_home(box: Sandbox, model_path: str) -> None:
-    """The hosts' shared /root (this checkout is mounted as ~/pdserve): ~/.bashrc, the model, the config."""
+    """The hosts' shared /root (this checkout is mounted as ~/pdserve): ~/.bashrc, the model, the
+    front door's files, the config."""
     (box.home / ".bashrc").write_text(BASHRC)
+    write_front_door(box.home / FRONT)
     (box.home / "cpu-host").mkdir()
     (box.home / "cpu-host" / "nvidia-smi").write_text("#!/bin/sh\nexit 9\n")
     (box.home / "cpu-host" / "nvidia-smi").chmod(0o755)
@@ -341,17 +393,28 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
         assert result.returncode == 0, f"{name} failed:\n{_tail(result)}"
         return result
 
+    # The operator's one-time step: the cluster's Ray token, which file_mounts copies to every host.
+    step("token", "ray get-auth-token --generate >/dev/null && chmod 600 ~/.ray/auth_token", 60)
     try:
         step("ray up", "ray up -y /root/cluster.yaml", 240)
-        launch = step("launch", "python deploy/launch.py /root/cluster.yaml --timeout 150 -- --model /root/model", 240)
+        door = f"--tls-dir {FRONT} --tokens-file {FRONT}/tokens"  # paths in the head's home
+        launch_cmd = f"python deploy/launch.py /root/cluster.yaml {door} --timeout 150 -- --model /root/model"
+        launch = step("launch", launch_cmd, 240)
         assert f"node {PREFILL_HOST}: 1 prefill slot(s)" in launch.stdout, _tail(launch)
         assert f"node {DECODE_HOST}: 1 decode slot(s)" in launch.stdout, _tail(launch)
-        assert "1 prefill + 1 decode engines" in launch.stdout, _tail(launch)
+        assert "serving on 0.0.0.0:50051: 1 prefill + 1 decode engines" in launch.stdout, _tail(launch)
         status = step("ray status", "ray exec /root/cluster.yaml 'ray status'", 60)
         assert re.search(rf"1(\.0)?/1(\.0)? {PREFILL_RESOURCE}", status.stdout), _tail(status)
         assert re.search(rf"1(\.0)?/1(\.0)? {DECODE_RESOURCE}", status.stdout), _tail(status)
+        # Token auth is on: a client without the token is refused by the head's GCS.
+        stranger = timed("ray status, no token", f"RAY_AUTH_MODE=disabled ray status --address {HEAD}:6379", 60)
+        assert stranger.returncode != 0 and "InvalidAuthToken" in stranger.stdout + stranger.stderr, _tail(stranger)
 
-        gen = step("generate", f"pdserve generate --target {HEAD}:50051 --max-tokens 8 'Prefill reads the prompt'", 60)
+        front = f"--target {HEAD}:50051 --tls-ca /root/{FRONT}/ca.pem"
+        refused = timed("generate, no token", f"pdserve generate {front} --max-tokens 8 'no token'", 60)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, _tail(refused)
+        token = f"--token-file /root/{FRONT}/client-token"
+        gen = step("generate", f"pdserve generate {front} {token} --max-tokens 8 'Prefill reads the prompt'", 60)
         usage = re.search(r"prompt / completion tokens\s+(\d+) / (\d+)", gen.stdout)
         assert usage and int(usage[1]) > 0 and int(usage[2]) > 0, _tail(gen)
         assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.MULTILINE), _tail(gen)
