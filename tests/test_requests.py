@@ -26,6 +26,10 @@ LIMITS = ModelLimits(max_model_len=128, vocab_size=100)
         ((1,), SamplingConfig(top_k=-1), "top_k"),
         ((1,), SamplingConfig(stop_token_ids=(5, 100)), "stop_token_ids"),
         ((1,), SamplingConfig(stop=("",)), "stop"),
+        ((1,), SamplingConfig(temperature=2.5), "temperature"),  # vLLM's range; found by the hostile-input test
+        ((1,), SamplingConfig(stop=("x",) * 17), "stop"),
+        ((1,), SamplingConfig(stop=("x" * 257,)), "stop"),
+        ((1,), SamplingConfig(stop_token_ids=(1,) * 257), "stop_token_ids"),
     ],
 )
 def test_invalid_field_is_named(prompt, sampling, field):

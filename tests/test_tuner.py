@@ -16,12 +16,13 @@ from bench.tuner.model import (
     HostContention,
     Layout,
     PerformanceModel,
+    SEEDS_PREFILL_TOKENS_PER_S,
     PrefillCost,
     TransferCost,
     fit_host,
     load_probe,
 )
-from bench.tuner.search import SearchSpace, max_goodput, search
+from bench.tuner.search import SearchSpace, capacity_bound, max_goodput, search
 from bench.tuner.simulator import SLO, Lengths, Placement, Workload, simulate
 
 # The probe file's shape (what the cluster probe writes), with a few rows per phase.
@@ -245,12 +246,17 @@ SEEDS = PerformanceModel.seeds_example()
 
 
 def _brute_force_best_split(workload: Workload, slo: SLO, space: SearchSpace, rates: np.ndarray) -> tuple[int, float]:
-    """The highest grid rate each split sustains within the SLO, then the best split."""
+    """The highest grid rate each split sustains within the SLO, then the best split.
+    Sustains: at or below the split's steady-state capacity (300 requests of 1,000 tokens end
+    before a decode slot is ever waited for, so a finite run alone would pass any rate)."""
     best = (0, 0.0)
     for prefill in space.splits():
         placement = Placement(prefill, space.instances - prefill, space.batch_limits[0])
+        capacity = capacity_bound(SEEDS, placement, workload).rate_rps
         passing = [
-            r for r in rates if simulate(SEEDS, placement, workload, r).meets(slo).mean() >= slo.attainment_target
+            r
+            for r in rates
+            if r <= capacity and simulate(SEEDS, placement, workload, r).meets(slo).mean() >= slo.attainment_target
         ]
         rate = max(passing, default=0.0)
         if rate > best[1]:
@@ -325,3 +331,69 @@ def test_cli_fits_a_probe_and_writes_the_recommendation(tmp_path: Path, capsys: 
 def test_cli_rejects_gpus_not_a_multiple_of_the_instance_size() -> None:
     with pytest.raises(SystemExit):
         main(["--seeds-example", "--gpus", "6", "--gpus-per-instance", "4", "--ttft-slo", "1", "--itl-slo", "0.1"])
+
+
+# --- steady state: goodput never past capacity -----------------------------------------
+
+
+def _hand_capacity(placement: Placement, prompt: int, output: int) -> tuple[float, str]:
+    """From the seeds' per-token costs, by hand: prefill 1/3,288 s per prompt token with no
+    fixed cost (batching does not help); decode with every batch at its limit, contexts at
+    prompt + output/2 on average, one slot held for `output` steps."""
+    d = SEEDS.decode
+    limit = placement.batch_limit
+    step = (
+        d.fixed_s
+        + d.per_sequence_s * limit
+        + d.per_context_token_s * limit * (prompt + output / 2)
+        + d.compute_per_sequence_s * max(0, limit - d.knee)
+    )
+    prefill = placement.prefill * SEEDS_PREFILL_TOKENS_PER_S / prompt
+    decode = placement.decode * limit / (output * step)
+    return (prefill, "prefill") if prefill < decode else (decode, "decode")
+
+
+@pytest.mark.parametrize("prefill", [1, 4, 7])
+def test_goodput_with_a_loose_slo_is_the_capacity_bound_whatever_the_run_length(prefill: int) -> None:
+    """8 instances of 4xH100, 2,000-token prompts, 100-token answers, a TTFT SLO of 60 s
+    (~100x one prefill: loose enough that even one prefill instance's queue meets it at 95%
+    load). Before, with TTFT <= 10 s, 7P:1D reported 14.2 req/s with 600 requests and 11.8
+    with 4,000, past the 11.5 req/s seven prefill instances can serve at all."""
+    placement = Placement(prefill, 8 - prefill, 256)
+    expected, pool = _hand_capacity(placement, 2000, 100)
+    slo = SLO(ttft_s=60.0, itl_s=0.1)
+    goodputs = []
+    for count in (600, 4000):
+        workload = Workload.poisson(count, Lengths(2000, 0.0), Lengths(100, 0.0), seed=0)
+        bound = capacity_bound(SEEDS, placement, workload)
+        assert bound.bound == pool and bound.rate_rps == pytest.approx(expected, rel=1e-9)
+        candidate = max_goodput(SEEDS, placement, workload, slo, gpus=32)
+        assert expected * 0.95 <= candidate.goodput_rps <= expected
+        goodputs.append(candidate.goodput_rps)
+    assert goodputs[0] == pytest.approx(goodputs[1], rel=0.03)
+    if prefill == 7:
+        assert goodputs[0] <= 7 * 3288 / 2000  # 11.5 req/s
+
+
+def test_decode_bound_split_is_capped_at_its_decode_capacity() -> None:
+    placement = Placement(6, 1, 64)
+    expected, pool = _hand_capacity(placement, 200, 400)
+    assert pool == "decode"
+    workload = Workload.poisson(600, Lengths(200, 0.0), Lengths(400, 0.0), seed=0)
+    candidate = max_goodput(SEEDS, placement, workload, SLO(ttft_s=30.0, itl_s=0.5), gpus=28)
+    assert candidate.capacity.bound == "decode"
+    assert expected * 0.95 <= candidate.goodput_rps <= expected
+
+
+def test_cli_says_when_no_split_meets_the_requested_rate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    from bench.tuner.cli import main
+
+    argv = [
+        "--seeds-example", "--gpus", "32", "--gpus-per-instance", "4", "--prompt-tokens", "2000",
+        "--output-tokens", "100", "--length-spread", "0", "--ttft-slo", "10", "--itl-slo", "0.1",
+        "--requests", "300", "--batch-limits", "256", "--out", str(tmp_path / "t.json"),
+    ]  # fmt: skip
+    assert main([*argv, "--rate", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity" in out and "prefill-bound" in out
+    assert "no split of 8 instances meets 50 req/s" in out

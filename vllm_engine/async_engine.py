@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
-from vllm_engine.requests import ModelLimits
+from vllm_engine.requests import ModelLimits, as_invalid_request
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -105,6 +105,7 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
+        from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         try:
@@ -114,6 +115,8 @@ class AsyncEngine:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
             raise
+        except VLLMValidationError as exc:
+            raise as_invalid_request(exc) from None
 
     async def release_transfer(self, kv_transfer_params: dict[str, Any]) -> None:
         await self._llm.notify_kv_transfer_request_rejected(f"release-{uuid.uuid4().hex}", kv_transfer_params)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_threads, parse_cores
 from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
-from vllm_engine.requests import ModelLimits
+from vllm_engine.requests import ModelLimits, as_invalid_request
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -184,7 +184,7 @@ class EngineLoop:
                     command.request_id, {"prompt_token_ids": command.prompt_token_ids}, command.params
                 )
             except Exception as exc:  # invalid request: report it to its caller only
-                command.sink(exc)
+                command.sink(as_invalid_request(exc))
             else:
                 self._sinks[command.request_id] = command.sink
 

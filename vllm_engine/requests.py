@@ -29,6 +29,15 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
 
+def as_invalid_request(exc: Exception) -> Exception:
+    """vLLM's validation errors as ours (INVALID_ARGUMENT naming the field); others unchanged."""
+    from vllm.exceptions import VLLMValidationError
+
+    if isinstance(exc, VLLMValidationError):
+        return InvalidRequestError(exc.parameter or "request", str(exc))
+    return exc
+
+
 @dataclass(frozen=True, slots=True)
 class ModelLimits:
     max_model_len: int
@@ -53,8 +62,8 @@ class SamplingConfig:
     def validate(self, limits: ModelLimits) -> None:
         if self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be >= 1, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and 0 <= self.temperature <= 2):
+            raise InvalidRequestError("temperature", f"must be in [0, 2], got {self.temperature}")
         if not (0 < self.top_p <= 1):
             raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
@@ -90,7 +99,10 @@ class SamplingConfig:
             logprobs=self.logprobs or None,
         )
         fields.update(overrides)
-        return SamplingParams(**fields)
+        try:
+            return SamplingParams(**fields)
+        except Exception as exc:  # vLLM's own checks, should ours miss one
+            raise as_invalid_request(exc) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttft-slo", type=float, required=True, help="seconds")
     parser.add_argument("--itl-slo", type=float, required=True, help="seconds, a request's mean inter-token time")
     parser.add_argument("--percentile", type=float, default=90.0, help="%% of requests that must meet both SLOs")
+    parser.add_argument("--rate", type=float, help="arrival rate the cluster must serve, req/s (says whether any split can)")
     load = parser.add_argument_group("workload (Poisson arrivals, or a trace)")
     load.add_argument("--prompt-tokens", type=float, default=1000.0, help="mean prompt length")
     load.add_argument("--output-tokens", type=float, default=50.0, help="mean output length")
@@ -120,9 +121,11 @@ def _ms(seconds: float) -> str:
 def _row(candidate: Candidate) -> str:
     placement, summary = candidate.placement, candidate.summary
     head = f"{placement.label:>12} {placement.batch_limit:>6} {candidate.goodput_rps:>10.2f} {candidate.goodput_per_gpu:>9.3f}"
+    capacity = candidate.capacity
+    tail = f"  {capacity.rate_rps:.2f}, {capacity.bound}-bound" if capacity else ""
     if summary is None:
-        return f"{head}   (no rate meets the SLO)"
-    return f"{head} {_ms(summary.ttft_s.p90):>9} {_ms(summary.tpot_s.p90):>9} {summary.peak_batch:>6}"
+        return f"{head}   (no rate meets the SLO){tail}"
+    return f"{head} {_ms(summary.ttft_s.p90):>9} {_ms(summary.tpot_s.p90):>9} {summary.peak_batch:>6}{tail}"
 
 
 def report(result: SearchResult, model: PerformanceModel, workload: Workload) -> str:
@@ -135,7 +138,8 @@ def report(result: SearchResult, model: PerformanceModel, workload: Workload) ->
         ),
         f"SLO: TTFT <= {_ms(slo.ttft_s)} and ITL <= {_ms(slo.itl_s)} for {slo.percentile:g}% of requests",
         "",
-        f"{'split':>12} {'limit':>6} {'goodput/s':>10} {'per GPU':>9} {'TTFT p90':>9} {'ITL p90':>9} {'batch':>6}",
+        f"{'split':>12} {'limit':>6} {'goodput/s':>10} {'per GPU':>9} {'TTFT p90':>9} {'ITL p90':>9} {'batch':>6}"
+        f"  capacity (req/s, bound)",
         *(_row(c) for c in result.best_per_split()),
         "",
     ]
@@ -158,6 +162,16 @@ def report(result: SearchResult, model: PerformanceModel, workload: Workload) ->
         verdict = "within" if best.goodput_rps >= workload.native_rate else "beyond"
         lines.append(f"  the trace's own rate, {workload.native_rate:.2f} req/s, is {verdict} this goodput")
     return "\n".join(lines)
+
+
+def _rate_verdict(result: SearchResult, rate: float) -> str:
+    best = result.best
+    if best.goodput_rps >= rate:
+        return f"{rate:g} req/s: met by {best.placement.label} (goodput {best.goodput_rps:.2f} req/s)"
+    return (
+        f"no split of {result.space.instances} instances meets {rate:g} req/s at this SLO: the highest sustainable "
+        f"is {best.goodput_rps:.2f} req/s ({best.placement.label}); add instances or loosen the SLO"
+    )
 
 
 def _versus_colocated(result: SearchResult) -> str:
@@ -219,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = SLO(args.ttft_slo, args.itl_slo, args.percentile)
     result = search(model, workload, slo, space)
     print(report(result, model, workload))
+    if args.rate is not None:
+        print(_rate_verdict(result, args.rate))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(

@@ -5,10 +5,15 @@ attainment target (p90: 90%) of requests meet both the TTFT and the ITL (TPOT) S
 candidate placement it is found by bisection on the rate, every probe a full simulation of
 the same workload rescaled to that rate. All candidates use the same number of instances,
 so the best goodput is also the best goodput per GPU.
+
+Only sustainable rates count: a finite simulation of an overloaded queue can end before its
+waiting time crosses a loose SLO, so a rate above the placement's service capacity (the
+busier pool's bound, `capacity_bound`) is never reported, whatever the finite run says.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -50,12 +55,21 @@ class SearchSpace:
 
 
 @dataclass(frozen=True, slots=True)
+class CapacityBound:
+    """The most requests/s a placement can serve in steady state, and which pool sets it."""
+
+    rate_rps: float
+    bound: str  # "prefill", "decode" (disaggregated) or "colocated"
+
+
+@dataclass(frozen=True, slots=True)
 class Candidate:
     placement: Placement
-    goodput_rps: float  # 0 when even a trickle misses the SLO
+    goodput_rps: float  # 0 when even a trickle misses the SLO; never above capacity
     goodput_per_gpu: float
     summary: Summary | None  # simulated at goodput_rps; None when it is 0
     limit_reached: bool  # some simulation of the bisection filled a decode batch to the limit
+    capacity: CapacityBound | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,13 +119,47 @@ def capacity_estimate(model: PerformanceModel, placement: Placement, workload: W
     return min(placement.prefill / prefill_s, placement.decode / decode_s)
 
 
+def capacity_bound(model: PerformanceModel, placement: Placement, workload: Workload) -> CapacityBound:
+    """Requests/s each pool serves when it never idles, from the model's per-token costs
+    exactly as the simulator charges them: prefill in full token budgets of mean-length
+    prompts; decode with every batch at its limit, a sequence holding a slot for its output
+    tokens at the mean context (prompt plus half the output). The host slowdown (CPU
+    engines) depends on the rate itself: a fixed point. Transfers are latency only in the
+    simulator (no shared link), so they bound nothing here."""
+    prompt = float(workload.prompt_tokens.mean())
+    output = float(workload.output_tokens.mean())
+    per_batch = max(1.0, placement.token_budget // prompt)
+    prefill_s = model.prefill.seconds(per_batch * prompt, per_batch * prompt**2) / per_batch
+    limit = placement.batch_limit
+    step_s = model.decode.seconds(limit, limit * (prompt + output / 2))
+    rate = math.inf
+    for _ in range(20):
+        slowdown = model.host.slowdown(rate * output) if model.host and math.isfinite(rate) else 1.0
+        if placement.colocated:  # each instance prefills its own requests between decode steps
+            bound = CapacityBound(placement.decode / (slowdown * (prefill_s + output * step_s / limit)), "colocated")
+        else:
+            by_pool = {
+                "prefill": placement.prefill / (slowdown * prefill_s),
+                "decode": placement.decode * limit / (slowdown * output * step_s),
+            }
+            pool = min(by_pool, key=by_pool.__getitem__)
+            bound = CapacityBound(by_pool[pool], pool)
+        if math.isclose(bound.rate_rps, rate, rel_tol=1e-6):
+            break
+        rate = bound.rate_rps
+    return bound
+
+
 def max_goodput(model: PerformanceModel, placement: Placement, workload: Workload, slo: SLO, gpus: int) -> Candidate:
-    """Bisection on the arrival rate for the highest rate that still meets the SLO."""
+    """Bisection on the arrival rate for the highest sustainable rate that meets the SLO."""
     passing: Summary | None = None
     peak_batch = 0
+    capacity = capacity_bound(model, placement, workload)
 
     def attains(rate: float) -> bool:
         nonlocal passing, peak_batch
+        if rate > capacity.rate_rps:
+            return False  # not sustainable: the queue grows without bound
         timeline = simulate(model, placement, workload, rate)
         peak_batch = max(peak_batch, timeline.peak_batch)
         if timeline.meets(slo).mean() < slo.attainment_target:
@@ -120,6 +168,9 @@ def max_goodput(model: PerformanceModel, placement: Placement, workload: Workloa
         return True
 
     low, high = 0.0, float(capacity_estimate(model, placement, workload))
+    if attains(capacity.rate_rps):  # meets the SLO right up to capacity: that is the goodput
+        return Candidate(placement, capacity.rate_rps, capacity.rate_rps / gpus, passing, peak_batch >= placement.batch_limit, capacity)
+    high = min(high, capacity.rate_rps)
     for _ in range(MAX_DOUBLINGS):
         if not attains(high):
             break
@@ -128,7 +179,7 @@ def max_goodput(model: PerformanceModel, placement: Placement, workload: Workloa
         middle = (low + high) / 2
         low, high = (middle, high) if attains(middle) else (low, middle)
     # The last pass was at `low`.
-    return Candidate(placement, low, low / gpus, passing, peak_batch >= placement.batch_limit)
+    return Candidate(placement, low, low / gpus, passing, peak_batch >= placement.batch_limit, capacity)
 
 
 def _split_candidates(
