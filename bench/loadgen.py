@@ -38,21 +38,23 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import grpc
 from tqdm import tqdm
 
+from planner.trace import RequestSpec, parse_trace
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.cli import add_client_credential_args, client_credentials
 from router.client import build_request, stream_generate
 from router.security import ClientCredentials
+from router.timings import SLO, ItlStat, Percentiles, percentile
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -79,24 +81,9 @@ PROFILES = {
 }
 
 
-@dataclass(frozen=True, slots=True)
-class RequestSpec:
-    index: int
-    arrival_s: float  # offset from the start of the run
-    prompt_tokens: int
-    output_tokens: int
-
-
-ItlStat = Literal["mean", "p90"]
-
-
-@dataclass(frozen=True, slots=True)
-class SLO:
-    # About 5x and 2.5x a lone ~1000-token request on this 2-core CPU box (TTFT 130-190 ms,
-    # 8-12 ms per token): bench/goodput_compare.py explains the choice.
-    ttft_s: float = 1.0
-    itl_s: float = 0.025
-    itl_stat: ItlStat = "mean"  # how a request's gaps become its ITL
+# About 5x and 2.5x a lone ~1000-token request on this 2-core CPU box (TTFT 130-190 ms,
+# 8-12 ms per token): bench/goodput_compare.py explains the choice.
+DEFAULT_SLO = SLO(ttft_s=1.0, itl_s=0.025)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +92,7 @@ class LoadConfig:
     time_limit_s: float = 120.0
     profile: LengthProfile = PROFILES["default"]
     seed: int = 0
-    slo: SLO = field(default_factory=SLO)
+    slo: SLO = DEFAULT_SLO
     warmup: int = 2  # serial requests before measuring (first NIXL handshake, allocator)
     progress: bool = True
 
@@ -147,20 +134,6 @@ class RequestRecord:
 
 
 @dataclass(frozen=True, slots=True)
-class Percentiles:
-    p50: float | None
-    p90: float | None
-    p99: float | None
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Percentiles:
-        if not values:
-            return cls(None, None, None)
-        ordered = sorted(values)
-        return cls(*(percentile(ordered, q, presorted=True) for q in (50, 90, 99)))
-
-
-@dataclass(frozen=True, slots=True)
 class Summary:
     sent: int
     completed: int
@@ -185,15 +158,6 @@ class RunReport:
     requests: list[RequestRecord]
 
 
-def percentile(values: Sequence[float], q: float, presorted: bool = False) -> float:
-    """q-th percentile, linear interpolation between closest ranks (numpy's default)."""
-    ordered = values if presorted else sorted(values)
-    position = (len(ordered) - 1) * q / 100
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
-
-
 def poisson_arrivals(rate: float, count: int, rng: random.Random) -> list[float]:
     """Arrival offsets of a Poisson process at `rate` conditioned on `count` arrivals in
     [0, count / rate]: sorted uniforms on that window (the same process, exponential gaps).
@@ -212,26 +176,6 @@ def synthetic_workload(rate: float, count: int, profile: LengthProfile, seed: in
     arrivals = poisson_arrivals(rate, count, random.Random(f"arrivals-{seed}"))
     lengths = random.Random(f"lengths-{seed}")
     return [RequestSpec(i, t, *profile.sample(lengths)) for i, t in enumerate(arrivals)]
-
-
-def parse_trace(lines: Iterable[str]) -> list[RequestSpec]:
-    """JSONL lines {"arrival_s", "prompt_tokens", "output_tokens"}, sorted by arrival."""
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            entry = json.loads(line)
-            row = (float(entry["arrival_s"]), int(entry["prompt_tokens"]), int(entry["output_tokens"]))
-        except (ValueError, KeyError, TypeError) as err:
-            raise ValueError(f"trace line {number}: {err!r}") from err
-        if row[0] < 0 or row[1] < 1 or row[2] < 1:
-            raise ValueError(f"trace line {number}: need arrival_s >= 0 and token counts >= 1")
-        rows.append(row)
-    if not rows:
-        raise ValueError("trace has no requests")
-    rows.sort(key=lambda r: r[0])
-    return [RequestSpec(i, *row) for i, row in enumerate(rows)]
 
 
 def prompt_ids(spec: RequestSpec, seed: int) -> list[int]:
@@ -477,8 +421,8 @@ def add_load_args(parser: argparse.ArgumentParser, num_requests: int, time_limit
     parser.add_argument("--num-requests", type=int, default=num_requests, help="per run (a trace is cut to this many)")
     parser.add_argument("--time-limit", type=float, default=time_limit_s, help="seconds per run")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--ttft-slo", type=float, default=SLO().ttft_s, help="seconds")
-    parser.add_argument("--itl-slo", type=float, default=SLO().itl_s, help="seconds")
+    parser.add_argument("--ttft-slo", type=float, default=DEFAULT_SLO.ttft_s, help="seconds")
+    parser.add_argument("--itl-slo", type=float, default=DEFAULT_SLO.itl_s, help="seconds")
     parser.add_argument("--itl-stat", choices=["mean", "p90"], default="mean", help="per-request ITL statistic")
     parser.add_argument("--warmup", type=int, default=2, help="unmeasured serial requests first")
     parser.add_argument("--no-progress", action="store_true")
@@ -491,7 +435,7 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
         time_limit_s=args.time_limit,
         profile=PROFILES[args.profile],
         seed=args.seed,
-        slo=SLO(args.ttft_slo, args.itl_slo, args.itl_stat),
+        slo=SLO(args.ttft_slo, args.itl_slo, itl_stat=args.itl_stat),
         warmup=args.warmup,
         progress=not args.no_progress,
     )

@@ -68,11 +68,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(rest)
     if args.command == "probe":
-        from bench.probe import main as probe_main
+        from planner.probe import main as probe_main
 
         return probe_main(rest)
     if args.command == "tune":
-        from bench.tuner.cli import main as tune_main
+        from planner.cli import main as tune_main
 
         return tune_main(rest)
     if rest:

@@ -1,10 +1,53 @@
-"""Per-request phase timings, measured where each phase happens."""
+"""Per-request phase timings, measured where each phase happens, and the one percentile
+definition and SLO type that the router, the load generator and the simulator all use (a
+stream's final p99 and the load generator's p99 of the same gaps are the same number)."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from kv_transfer.layout import TransferBytes
+
+
+def percentile(values: Sequence[float], q: float, presorted: bool = False) -> float:
+    """q-th percentile, linear interpolation between closest ranks (numpy's default)."""
+    ordered = values if presorted else sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
+
+
+@dataclass(frozen=True, slots=True)
+class Percentiles:
+    p50: float | None
+    p90: float | None
+    p99: float | None
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Percentiles":
+        if not len(values):
+            return cls(None, None, None)
+        ordered = sorted(values)
+        return cls(*(percentile(ordered, q, presorted=True) for q in (50, 90, 99)))
+
+
+ItlStat = Literal["mean", "p90"]
+
+
+@dataclass(frozen=True, slots=True)
+class SLO:
+    ttft_s: float
+    itl_s: float  # a request's inter-token time, by `itl_stat` of its gaps
+    percentile: float = 90.0  # attainment target: this % of requests meet both
+    itl_stat: ItlStat = "mean"  # "mean" is DistServe's TPOT (the simulator's only statistic)
+
+    @property
+    def attainment_target(self) -> float:
+        return self.percentile / 100
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,11 +63,8 @@ class LatencySummary:
         if not samples:
             return cls(0.0, 0.0, 0.0, 0.0, 0.0)
         ordered = sorted(samples)
-
-        def pct(q: float) -> float:
-            return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-        return cls(sum(ordered) / len(ordered), pct(0.5), pct(0.9), pct(0.99), ordered[-1])
+        p50, p90, p99 = (percentile(ordered, q, presorted=True) for q in (50, 90, 99))
+        return cls(sum(ordered) / len(ordered), p50, p90, p99, ordered[-1])
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,3 +28,13 @@ def test_dashboard_queries_exported_metrics():
 def _sample_names(family) -> set[str]:
     suffixes = {"histogram": ("_bucket", "_count", "_sum"), "counter": ("_total",), "gauge": ("",)}
     return {family.name + s for s in suffixes.get(family.type, ("",))}
+
+
+def test_every_grouping_names_distinct_labels():
+    """`sum by (le, le)` is what the NIXL bandwidth panel once asked for."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    for panel in dashboard["panels"]:
+        for target in panel["targets"]:
+            for labels in re.findall(r"by \(([^)]*)\)", target["expr"]):
+                names = [name.strip() for name in labels.split(",")]
+                assert len(names) == len(set(names)), (panel["title"], target["expr"])

@@ -199,8 +199,8 @@ def test_admin_scale_pools_keeps_the_serving_mode(stack):
 
 
 def test_tune_apply_resizes_the_pools_through_admin(stack):
-    from bench.tuner.cli import _apply
-    from bench.tuner.simulator import Placement
+    from planner.cli import _apply
+    from planner.simulator import Placement
 
     assert _apply(stack.server.address, Placement(prefill=1, decode=1), tp=1) == 0
     assert _apply(stack.server.address, Placement(prefill=0, decode=2), tp=1) == 1  # mode switch refused

@@ -16,14 +16,12 @@ import numpy as np
 import pytest
 
 from bench.loadgen import (
+    DEFAULT_SLO,
     PROFILES,
-    SLO,
     TOKEN_ID_RANGE,
     LoadConfig,
     RequestRecord,
-    RequestSpec,
     parse_trace,
-    percentile,
     poisson_arrivals,
     prompt_ids,
     replay,
@@ -31,6 +29,8 @@ from bench.loadgen import (
     summarize,
     synthetic_workload,
 )
+from planner.trace import RequestSpec
+from router.timings import SLO, Percentiles, percentile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -185,13 +185,13 @@ def test_per_request_itl_statistic_mean_or_p90():
     stalled = _record(0, 0.0, 0.2, [0.01] * 19 + [1.0])  # one 1 s stall in 20 gaps
     assert stalled.itl_s("mean") == pytest.approx(0.0595)
     assert stalled.itl_s("p90") == pytest.approx(0.01)
-    assert not stalled.meets(SLO(1.0, 0.025, "mean"))
-    assert stalled.meets(SLO(1.0, 0.025, "p90"))
-    assert _record(1, 0.0, 0.2, []).meets(SLO())  # one token: no gap to miss
+    assert not stalled.meets(SLO(1.0, 0.025, itl_stat="mean"))
+    assert stalled.meets(SLO(1.0, 0.025, itl_stat="p90"))
+    assert _record(1, 0.0, 0.2, []).meets(DEFAULT_SLO)  # one token: no gap to miss
 
 
 def test_empty_run_summarizes_to_no_values():
-    summary = summarize([], SLO())
+    summary = summarize([], DEFAULT_SLO)
     assert summary.sent == summary.good == 0 and summary.ttft_s.p50 is None and summary.goodput_rps == 0
 
 
@@ -278,3 +278,15 @@ def _has_matplotlib() -> bool:
     except ImportError:
         return False
     return True
+
+
+def test_router_and_load_generator_share_one_percentile_definition():
+    """A stream's final message (router) and the load generator report the same p99 of the
+    same gaps."""
+    from router.timings import LatencySummary
+
+    gaps = [0.010, 0.012, 0.011, 0.250, 0.009, 0.013, 0.010, 0.011, 0.014, 0.012, 0.090]
+    router_view = LatencySummary.of(gaps)
+    client_view = Percentiles.of(gaps)
+    assert (router_view.p50_s, router_view.p90_s, router_view.p99_s) == (client_view.p50, client_view.p90, client_view.p99)
+    assert router_view.p99_s == pytest.approx(0.2340)  # interpolated, not nearest-rank (0.250)

@@ -1,4 +1,4 @@
-"""The ratio tuner (bench/tuner): model fit, simulator known answers, placement search, CLI.
+"""The ratio tuner (planner): model fit, simulator known answers, placement search, CLI.
 Pure Python and fast: no engines, no Ray."""
 
 from __future__ import annotations
@@ -10,20 +10,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.tuner.cli import main
-from bench.tuner.model import (
+from planner.cli import main
+from planner.model import (
+    SEEDS_PREFILL_TOKENS_PER_S,
     DecodeCost,
     HostContention,
     Layout,
     PerformanceModel,
-    SEEDS_PREFILL_TOKENS_PER_S,
     PrefillCost,
     TransferCost,
     fit_host,
     load_probe,
 )
-from bench.tuner.search import SearchSpace, capacity_bound, max_goodput, search
-from bench.tuner.simulator import SLO, Lengths, Placement, Workload, simulate
+from planner.search import SearchSpace, capacity_bound, max_goodput, search
+from planner.simulator import SLO, Lengths, Placement, Workload, simulate
 
 # The probe file's shape (what the cluster probe writes), with a few rows per phase.
 PROBE_EXAMPLE = {
@@ -386,7 +386,7 @@ def test_decode_bound_split_is_capped_at_its_decode_capacity() -> None:
 
 
 def test_cli_says_when_no_split_meets_the_requested_rate(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from bench.tuner.cli import main
+    from planner.cli import main
 
     argv = [
         "--seeds-example", "--gpus", "32", "--gpus-per-instance", "4", "--prompt-tokens", "2000",

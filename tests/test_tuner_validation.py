@@ -11,22 +11,13 @@ import numpy as np
 import pytest
 
 from bench.loadgen import (
+    DEFAULT_SLO,
     PROFILES,
-    SLO,
     RequestRecord,
-    RequestSpec,
     RunReport,
     summarize,
     synthetic_workload,
 )
-from bench.tuner.model import (
-    DecodeCost,
-    Layout,
-    PerformanceModel,
-    PrefillCost,
-    TransferCost,
-)
-from bench.tuner.simulator import Placement, Timeline
 from bench.tuner_validation import (
     TOLERANCE,
     Point,
@@ -44,6 +35,15 @@ from bench.tuner_validation import (
     table,
     workload_of,
 )
+from planner.model import (
+    DecodeCost,
+    Layout,
+    PerformanceModel,
+    PrefillCost,
+    TransferCost,
+)
+from planner.simulator import Placement, Timeline
+from planner.trace import RequestSpec
 from vllm_engine.config import EngineConfig
 
 # Prefill 1 ms per token, decode 100 ms per step, transfer 10 ms flat.
@@ -110,7 +110,7 @@ def _record(index: int, ttft: float, gap: float, tokens: int, error: str = "") -
 
 
 def _report(records: list[RequestRecord]) -> RunReport:
-    return RunReport("t", 1.0, SLO(), summarize(records, SLO()), records)
+    return RunReport("t", 1.0, DEFAULT_SLO, summarize(records, DEFAULT_SLO), records)
 
 
 def test_measured_p50s_and_completed_requests() -> None:

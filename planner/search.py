@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from bench.tuner.model import PerformanceModel
-from bench.tuner.simulator import (
+from planner.model import PerformanceModel
+from planner.simulator import (
     DEFAULT_TOKEN_BUDGET,
     SLO,
     Placement,

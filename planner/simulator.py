@@ -41,7 +41,8 @@ from typing import Literal
 
 import numpy as np
 
-from bench.tuner.model import DecodeCost, PerformanceModel, PrefillCost
+from planner.model import DecodeCost, PerformanceModel, PrefillCost
+from router.timings import SLO, Percentiles
 
 DEFAULT_TOKEN_BUDGET = 8192  # vLLM's usual max_num_batched_tokens when serving on large GPUs
 DEFAULT_BATCH_LIMIT = 64
@@ -140,28 +141,6 @@ class Workload:
 
 
 @dataclass(frozen=True, slots=True)
-class SLO:
-    ttft_s: float
-    itl_s: float  # a request's mean inter-token time (DistServe's TPOT)
-    percentile: float = 90.0  # attainment target: this % of requests meet both
-
-    @property
-    def attainment_target(self) -> float:
-        return self.percentile / 100
-
-
-@dataclass(frozen=True, slots=True)
-class Percentiles:
-    p50: float
-    p90: float
-    p99: float
-
-    @classmethod
-    def of(cls, values: np.ndarray) -> Percentiles:
-        return cls(*(float(v) for v in np.percentile(values, (50, 90, 99))))
-
-
-@dataclass(frozen=True, slots=True)
 class Summary:
     rate: float  # offered, req/s
     requests: int
@@ -202,6 +181,8 @@ class Timeline:
         return self.last_token - self.arrival
 
     def meets(self, slo: SLO) -> np.ndarray:
+        if slo.itl_stat != "mean":
+            raise ValueError("the simulator judges a request's mean inter-token time (TPOT): use itl_stat 'mean'")
         return (self.ttft <= slo.ttft_s) & (self.tpot <= slo.itl_s)
 
     def summary(self, rate: float, slo: SLO) -> Summary:

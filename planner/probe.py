@@ -8,7 +8,7 @@ from requests sent through gRPC to a real prefill -> NIXL -> decode pair. Prints
 prefill/decode throughput ratio and the knee, and writes the probe JSON the ratio tuner fits
 its performance model to.
 
-    pdserve probe [--out bench/results/probe.json]     (or python -m bench.probe)
+    pdserve probe [--out bench/results/probe.json]     (or python -m planner.probe)
     pdserve probe --address HEAD:6379 --device cuda --prefill-tp 4 --decode-tp 4
 
 On a cluster (`--address`) the engines are placed like `pdserve serve` places them, by the

@@ -1,6 +1,6 @@
 """Recommend a prefill:decode split and decode batch limit for a GPU budget and SLOs.
 
-    python -m bench.tuner.cli --seeds-example --gpus 32 --gpus-per-instance 4 \\
+    python -m planner.cli --seeds-example --gpus 32 --gpus-per-instance 4 \\
         --ttft-slo 2 --itl-slo 0.1 --prompt-tokens 2000 --output-tokens 60
 
 The performance model comes from a probe's measurements (--probe, fitted here; --save-model
@@ -20,15 +20,15 @@ from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
 
-from bench.tuner.model import PerformanceModel, load_probe
-from bench.tuner.search import (
+from planner.model import PerformanceModel, load_probe
+from planner.search import (
     DEFAULT_BATCH_LIMITS,
     Candidate,
     SearchResult,
     SearchSpace,
     search,
 )
-from bench.tuner.simulator import DEFAULT_TOKEN_BUDGET, SLO, Lengths, Workload
+from planner.simulator import DEFAULT_TOKEN_BUDGET, SLO, Lengths, Workload
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     load.add_argument("--length-shape", choices=["uniform", "lognormal"], default="uniform")
     load.add_argument("--requests", type=int, default=600, help="requests per simulation")
     load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--trace", type=Path, help="JSONL rows {arrival_s, prompt_tokens, output_tokens} (bench.loadgen)")
+    load.add_argument("--trace", type=Path, help="JSONL rows {arrival_s, prompt_tokens, output_tokens} (planner.trace)")
     space = parser.add_argument_group("search space")
     space.add_argument("--batch-limits", type=int, nargs="+", default=list(DEFAULT_BATCH_LIMITS))
     space.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="prompt tokens per prefill batch")
@@ -79,7 +79,7 @@ def _performance_model(args: argparse.Namespace) -> PerformanceModel:
 
 def _workload(args: argparse.Namespace) -> Workload:
     if args.trace:
-        from bench.loadgen import parse_trace  # the load generator's format and checks
+        from planner.trace import parse_trace  # the load generator sends the same format
 
         specs = parse_trace(args.trace.read_text().splitlines())[: args.requests]
         return Workload.trace((s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs)
