@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
     serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port (0: off)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here")
+    serve.add_argument("--served-model-name", help="model id for the HTTP API (default: --model)")
     door = serve.add_argument_group("front door")
     door.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
     door.add_argument("--tls-key", help="PEM private key of --tls-cert")
@@ -187,6 +189,7 @@ def deployment_config_from_args(args: argparse.Namespace, num_prefill: int, num_
 class _Stack:
     deployment: object
     server: object
+    tokenizer: object
 
     async def close(self) -> None:
         await self.server.stop()  # type: ignore[attr-defined]
@@ -224,7 +227,7 @@ async def _bring_up(
         deployment.shutdown()
         raise
     print(f"serving pdserve.v1.Generation on {server.address}", file=sys.stderr)
-    return _Stack(deployment, server)
+    return _Stack(deployment, server, tokenizer)
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -248,6 +251,13 @@ async def _serve(args: argparse.Namespace) -> int:
     if front.tokens is None and not args.listen.startswith(("127.", "localhost", "[::1]")):
         print(f"warning: {args.listen} is not loopback and no tokens are set: anyone who reaches it can "
               "generate and resize the pools (--tokens-file)", file=sys.stderr)
+    http = None
+    if args.http:
+        from router.openai_http import HTTPServer, openai_front_for
+
+        http = HTTPServer(openai_front_for(stack.server, stack.tokenizer, args.served_model_name or args.model), args.http, front.tls)
+        await http.start()
+        print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{http.address}/v1", file=sys.stderr)
     if args.metrics_port:
         from prometheus_client import start_http_server
 
@@ -261,6 +271,8 @@ async def _serve(args: argparse.Namespace) -> int:
     server = stack.server
     print(f"draining: no new requests, live streams get {args.drain_timeout:.0f}s to finish", file=sys.stderr)
     finished = await server.drain(args.drain_timeout)  # type: ignore[attr-defined]
+    if http is not None:
+        await http.stop()
     print(f"{'drained' if finished else 'drain timed out'}: stopping the engines", file=sys.stderr)
     stack.deployment.shutdown()  # type: ignore[attr-defined]
     return 0

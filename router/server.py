@@ -167,7 +167,7 @@ class RouterServer:
         scale: Scaler | None = None,
         front: FrontDoorConfig = FrontDoorConfig(),
     ) -> None:
-        self._orchestrator = orchestrator
+        self.orchestrator = orchestrator
         self.front = front
         self.admission = AdmissionController(lambda: admission_limits(orchestrator, front))
         self._server = grpc.aio.server(
@@ -181,8 +181,8 @@ class RouterServer:
         self._health = HealthServicer()
         self._health_interval_s = health_interval_s
         self._monitor: asyncio.Task[Any] | None = None
-        max_prompt_bytes = front.max_prompt_bytes_per_token * orchestrator.limits.max_model_len
-        generation = GenerationService(orchestrator, tokenize, model, self.admission, max_prompt_bytes)
+        self.max_prompt_bytes = front.max_prompt_bytes_per_token * orchestrator.limits.max_model_len
+        generation = GenerationService(orchestrator, tokenize, model, self.admission, self.max_prompt_bytes)
         pb_grpc.add_GenerationServicer_to_server(generation, self._server)
         pb_grpc.add_AdminServicer_to_server(AdminService(scale, front.max_pool_size), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -233,7 +233,7 @@ class RouterServer:
                 log.exception("pool health poll failed")
 
     async def _update_health(self) -> None:
-        o = self._orchestrator
+        o = self.orchestrator
         await o.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
         if self.admission.draining:
             return

@@ -82,7 +82,10 @@ class ServedStack:
     background thread as it would in `pdserve serve` (it keeps handling cancellations and
     health polls between a test's client calls)."""
 
-    def __init__(self, dep, model_path: str, health_interval_s: float = 0.2, front=None, credentials=None) -> None:
+    def __init__(
+        self, dep, model_path: str, health_interval_s: float = 0.2, front=None, credentials=None, http_model=None
+    ) -> None:
+        """`http_model`: also serve the OpenAI HTTP API under this model name (`self.http`)."""
         import threading
 
         from transformers import AutoTokenizer
@@ -111,6 +114,12 @@ class ServedStack:
             return server
 
         self.server = asyncio.run_coroutine_threadsafe(start_server(), self.loop).result()
+        self.http = None
+        if http_model:
+            from router.openai_http import HTTPServer, openai_front_for
+
+            self.http = HTTPServer(openai_front_for(self.server, tokenizer, http_model), "127.0.0.1:0")
+            asyncio.run_coroutine_threadsafe(self.http.start(), self.loop).result()
 
     def call(self, coro_fn: Callable[[Any], Awaitable[T]], timeout_s: float = 300, credentials=None) -> T:
         """Run a client coroutine on the server's loop (grpc.aio objects are loop-bound)."""
@@ -122,6 +131,8 @@ class ServedStack:
         return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
 
     def close(self) -> None:
+        if self.http is not None:
+            asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result()
         asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

@@ -224,6 +224,19 @@ def test_burst_past_capacity_is_turned_away_fast_and_admitted_requests_complete(
     assert_no_blocks_held(door.dep)
 
 
+def test_oversized_input_is_refused_before_any_work(door):
+    """A text prompt past 32 bytes per max_model_len token is refused before tokenizing; a
+    message past 4 MiB is refused by gRPC itself."""
+    text = pb.GenerateRequest(text="x" * (32 * 8192 + 1), sampling=pb.SamplingParams(max_tokens=4))
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        door.call(lambda ch: _generate(ch, text))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
+    huge = build_request([5] * (1 << 20), max_tokens=4)  # ~5 MiB of varints
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        door.call(lambda ch: _generate(ch, huge))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 def test_duplicate_client_request_ids_are_harmless(door):
     async def both(channel):
         return await asyncio.gather(

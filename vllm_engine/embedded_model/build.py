@@ -20,7 +20,12 @@ from pathlib import Path
 CORPUS_DIR = Path(__file__).parent / "corpus"
 EOS_TOKEN = "<|endoftext|>"
 # Bumped whenever the build recipe changes so stale cache entries are never reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
+# Plain-text roles, so /v1/chat/completions works on the embedded model (real models ship theirs).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +107,7 @@ def _build_tokenizer(spec: EmbeddedModelSpec, out: Path) -> None:
     tokenizer.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN)
     fast.model_max_length = spec.max_position_embeddings
+    fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
 
 

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible HTTP front: `POST /v1/completions`, `POST /v1/chat/completions`,
+`GET /v1/models`, `GET /health`, on the same orchestrator, admission, tokens and metrics as
+the gRPC front, so the OpenAI SDK and the field's benchmark tools (`vllm bench serve`,
+guidellm, aiperf) can drive pdserve.
+
+Request and response bodies are vLLM's own OpenAI protocol models (pydantic); the ASGI stack
+is FastAPI + uvicorn, which vLLM already installs. Streams are server-sent events with
+`stream_options.include_usage`; errors are OpenAI's error JSON with the matching HTTP code.
+A client that disconnects cancels the stream, which aborts the request on whichever engine
+holds it. pdserve's phase timings ride along as an extension field, `pdserve_timings`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from dataclasses import asdict
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from router.admission import AdmissionController, DrainingError, OverloadedError
+from router.metrics import REQUESTS
+from router.orchestrator import GenerationResult, Orchestrator
+from router.security import Role, TokenTable
+from router.server import _UNAVAILABLE
+from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig, TokenChunk
+
+log = logging.getLogger(__name__)
+
+# OpenAI's defaults where they differ from pdserve's gRPC ones.
+DEFAULT_MAX_TOKENS = 16
+DEFAULT_TEMPERATURE = 1.0
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+class OpenAIFront:
+    def __init__(
+        self,
+        orchestrator: Orchestrator,
+        tokenizer: Any,  # a Hugging Face tokenizer (its chat template for chat completions)
+        model_name: str,
+        admission: AdmissionController,
+        max_prompt_bytes: int,
+        tokens: TokenTable | None = None,
+    ) -> None:
+        self._orchestrator = orchestrator
+        self._tokenizer = tokenizer
+        self.model_name = model_name
+        self._admission = admission
+        self._max_prompt_bytes = max_prompt_bytes
+        self._tokens = tokens
+        self.app = self._build_app()
+
+    # --- routes --------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(HTTPError)
+        async def http_error(request: Request, err: HTTPError) -> JSONResponse:  # noqa: ARG001
+            REQUESTS.labels(_OUTCOMES.get(err.status, "internal")).inc()
+            return err.response()
+
+        @app.get("/health")
+        async def health() -> JSONResponse:
+            serving = self._orchestrator.decode.has_live_member and not self._admission.draining
+            return JSONResponse({"status": "ok" if serving else "unavailable"}, status_code=200 if serving else 503)
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Any:
+            from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
+            self._authorize(request)
+            card = ModelCard(id=self.model_name, owned_by="pdserve", max_model_len=self._orchestrator.limits.max_model_len)
+            return JSONResponse(ModelList(data=[card]).model_dump())
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Any:
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+            self._authorize(request)
+            body = self._parse(CompletionRequest, await request.body())
+            prompt = await self._completion_prompt(body)
+            return await self._respond(body, prompt, _CompletionShape(self.model_name))
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Any:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+            self._authorize(request)
+            body = self._parse(ChatCompletionRequest, await request.body())
+            prompt = await asyncio.to_thread(self._chat_prompt, body)
+            return await self._respond(body, prompt, _ChatShape(self.model_name))
+
+        return app
+
+    # --- request -> GenerateRequest ------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        if self._tokens is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        role = self._tokens.role_of(token) if scheme.lower() == "bearer" and token else None
+        if role is None:
+            raise HTTPError(401, "send 'Authorization: Bearer <token>'", "authentication_error")
+        if role not in (Role.GENERATE, Role.ADMIN):  # pragma: no cover (every role may generate today)
+            raise HTTPError(403, "this token may not generate", "permission_error")
+
+    def _parse(self, model: type, raw: bytes) -> Any:
+        from pydantic import ValidationError
+
+        if len(raw) > self._max_prompt_bytes + 65536:
+            raise HTTPError(413, f"request body of {len(raw):,} bytes is too large", "invalid_request_error")
+        try:
+            body = model.model_validate_json(raw)
+        except ValidationError as err:
+            first = err.errors()[0]
+            field = ".".join(str(p) for p in first["loc"]) or None
+            raise HTTPError(400, f"{field}: {first['msg']}", "invalid_request_error", field) from None
+        if body.model and body.model != self.model_name:
+            raise HTTPError(404, f"model {body.model!r} is not served here: use {self.model_name!r}", "not_found_error", "model")
+        if (body.n or 1) != 1:
+            raise HTTPError(400, "n: pdserve returns one choice per request", "invalid_request_error", "n")
+        return body
+
+    async def _completion_prompt(self, body: Any) -> tuple[int, ...]:
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            if len(prompt.encode()) > self._max_prompt_bytes:
+                raise HTTPError(400, f"prompt: at most {self._max_prompt_bytes:,} bytes", "invalid_request_error", "prompt")
+            return tuple(await asyncio.to_thread(self._tokenizer.encode, prompt))
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return tuple(prompt)
+        raise HTTPError(400, "prompt: one string or one list of token ids per request", "invalid_request_error", "prompt")
+
+    def _chat_prompt(self, body: Any) -> tuple[int, ...]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise HTTPError(400, f"model {self.model_name} has no chat template: use /v1/completions", "invalid_request_error")
+        messages = [dict(m) if not isinstance(m, dict) else m for m in body.messages]
+        size = len(json.dumps(messages, default=str).encode())
+        if size > self._max_prompt_bytes:
+            raise HTTPError(400, f"messages: at most {self._max_prompt_bytes:,} bytes", "invalid_request_error", "messages")
+        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _sampling(self, body: Any, shape: "_Shape") -> SamplingConfig:
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        return SamplingConfig(
+            max_tokens=shape.max_tokens(body) or DEFAULT_MAX_TOKENS,
+            temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=max(0, body.top_k or 0),
+            seed=body.seed,
+            stop=tuple(stop),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=bool(body.ignore_eos),
+            logprobs=shape.logprobs(body),
+        )
+
+    # --- response --------------------------------------------------------------------------
+
+    async def _respond(self, body: Any, prompt: tuple[int, ...], shape: "_Shape") -> Any:
+        request = GenerateRequest(f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape))
+        try:
+            request.validate(self._orchestrator.limits)
+        except InvalidRequestError as err:
+            raise HTTPError(400, str(err), "invalid_request_error", err.field) from None
+        slot = self._admission.admitted()
+        try:
+            await slot.__aenter__()
+        except OverloadedError as err:
+            raise HTTPError(429, str(err), "rate_limit_error", headers={"Retry-After": str(max(1, round(err.retry_after_s)))}) from None
+        except DrainingError as err:
+            raise HTTPError(503, str(err), "service_unavailable") from None
+        events = self._events(request, slot)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            first = await _first_or_error(events)
+            return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream")
+        text, tokens, result = "", 0, None
+        async for event in events:
+            if isinstance(event, GenerationResult):
+                result = event
+            else:
+                text += event.text
+                tokens += len(event.token_ids)
+        assert result is not None
+        return JSONResponse(shape.whole(text, result))
+
+    async def _events(self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager) -> AsyncIterator[Any]:
+        """The orchestrator's events; failures become HTTPError; the admission slot is held
+        until the stream ends (or the client leaves)."""
+        try:
+            async for event in self._orchestrator.generate(request):
+                yield event
+        except InvalidRequestError as err:
+            raise HTTPError(400, str(err), "invalid_request_error", err.field) from None
+        except tuple(_UNAVAILABLE) as err:
+            log.warning("request %s: %s", request.request_id, err)
+            message = next(text for kind, text in _UNAVAILABLE.items() if isinstance(err, kind))
+            raise HTTPError(503, message, "service_unavailable") from None
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception:
+            log.exception("request %s failed", request.request_id)
+            raise HTTPError(500, f"internal error serving {request.request_id}; the router's log has details", "internal_error") from None
+        finally:
+            await slot.__aexit__(None, None, None)
+
+
+_OUTCOMES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 413: "invalid_argument",
+             429: "resource_exhausted", 500: "internal", 503: "unavailable"}
+
+
+async def _first_or_error(events: AsyncIterator[Any]) -> Any:
+    """The first event, so that a request failing before any token gets a proper HTTP error
+    instead of a 200 stream that breaks off."""
+    return await anext(events)
+
+
+def _timings(result: GenerationResult) -> dict[str, Any]:
+    t = result.timings
+    return {
+        **{k: v for k, v in asdict(t).items() if k not in ("inter_token", "transfer_bytes")},
+        "inter_token_p50_s": t.inter_token.p50_s,
+        "inter_token_p99_s": t.inter_token.p99_s,
+        "attention_kv_bytes": t.transfer_bytes.attention_kv,
+        "deltanet_state_bytes": t.transfer_bytes.deltanet_state,
+        "prefill_worker": result.prefill_worker,
+        "decode_worker": result.decode_worker,
+    }
+
+
+def _usage(result: GenerationResult) -> Any:
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    return UsageInfo(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+        total_tokens=result.prompt_tokens + result.completion_tokens,
+    )
+
+
+def _sse(payload: Any) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+class _Shape:
+    """How one endpoint reads its fields and shapes its responses."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    prefix = "cmpl"
+
+    def max_tokens(self, body: Any) -> int | None:
+        return body.max_tokens
+
+    def logprobs(self, body: Any) -> int:
+        return 0
+
+    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def stream(self, first: Any, events: Any, include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            event = first
+            while True:
+                if isinstance(event, GenerationResult):
+                    final = self.chunk(None, event.finish_reason)
+                    final["pdserve_timings"] = _timings(event)
+                    yield _sse(final)
+                    if include_usage:
+                        usage = {**self.chunk(None, None), "choices": [], "usage": _usage(event).model_dump()}
+                        yield _sse(usage)
+                    break
+                yield _sse(self.chunk(event, None))
+                event = await anext(events)
+        except HTTPError as err:  # mid-stream: the status line is sent, say it in the stream
+            yield _sse({"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}})
+        finally:  # the client left, or the stream ended: abort and free the slot now, not at GC
+            await events.aclose()
+        yield _sse("[DONE]")
+
+
+class _CompletionShape(_Shape):
+    prefix = "cmpl"
+
+    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
+
+        choices = [CompletionResponseStreamChoice(index=0, text=event.text if event else "", finish_reason=finish)]
+        return CompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+
+    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+        from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
+
+        choice = CompletionResponseChoice(index=0, text=text, finish_reason=result.finish_reason)
+        response = CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
+        return {**response.model_dump(), "pdserve_timings": _timings(result)}
+
+
+class _ChatShape(_Shape):
+    prefix = "chatcmpl"
+
+    def max_tokens(self, body: Any) -> int | None:
+        return body.max_completion_tokens or body.max_tokens
+
+    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+        from vllm.entrypoints.generate.base.protocol import DeltaMessage
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+        )
+
+        delta = DeltaMessage(role="assistant", content=event.text) if event else DeltaMessage()
+        choices = [ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)]
+        return ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+
+    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
+            ChatMessage,
+        )
+
+        choice = ChatCompletionResponseChoice(
+            index=0, message=ChatMessage(role="assistant", content=text), finish_reason=result.finish_reason
+        )
+        response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
+        return {**response.model_dump(), "pdserve_timings": _timings(result)}
+
+
+class HTTPServer:
+    """uvicorn serving the app on the router's own event loop, beside the gRPC server."""
+
+    def __init__(self, front: OpenAIFront, address: str, tls: Any = None) -> None:
+        import uvicorn
+
+        host, _, port = address.rpartition(":")
+        ssl = {}
+        if tls is not None:
+            import ssl as ssl_module
+
+            ssl = {"ssl_certfile": tls.cert, "ssl_keyfile": tls.key}
+            if tls.client_ca:
+                ssl |= {"ssl_ca_certs": tls.client_ca, "ssl_cert_reqs": ssl_module.CERT_REQUIRED}
+        config = uvicorn.Config(front.app, host=host, port=int(port), log_level="warning", lifespan="off", **ssl)
+        self._server = uvicorn.Server(config)
+        self._task: asyncio.Task[None] | None = None
+        self._host = host
+        self.address = address
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises the start-up error (port taken, bad certificate)
+            await asyncio.sleep(0.02)
+        port = self._server.servers[0].sockets[0].getsockname()[1]
+        self.address = f"{self._host}:{port}"
+
+    async def stop(self) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+
+
+def openai_front_for(router_server: Any, tokenizer: Any, model_name: str) -> OpenAIFront:
+    """The HTTP front sharing a gRPC RouterServer's orchestrator, admission and tokens."""
+    return OpenAIFront(
+        router_server.orchestrator,
+        tokenizer,
+        model_name,
+        router_server.admission,
+        router_server.max_prompt_bytes,
+        router_server.front.tokens,
+    )
+

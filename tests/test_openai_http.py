@@ -1,0 +1,106 @@
+"""The OpenAI-compatible HTTP front, driven by the official `openai` client and by vLLM's own
+`vllm bench serve`, against a real cluster (real engines, real NIXL)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+from conftest import ServedStack, assert_no_blocks_held
+
+from router.deployment import Deployment, DeploymentConfig
+
+MODEL = "pdserve-embedded"
+PROMPT = "Prefill processes the prompt and creates state; decode consumes that state"
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, engine_config, model_path):
+    stack = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path, http_model=MODEL)
+    yield stack
+    stack.close()
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=f"http://{served.http.address}/v1", api_key="none", max_retries=0)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_streamed_completion_matches_the_whole_one_and_reports_usage(client, served):
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(**args)
+    chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text and text
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 16 == whole.usage.completion_tokens
+    assert usage.prompt_tokens == whole.usage.prompt_tokens > 5
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals[-1].choices[0].finish_reason == "length"
+    timings = finals[-1].model_extra["pdserve_timings"]  # the extension field
+    assert timings["prefill_worker"] == "prefill-0" and timings["deltanet_state_bytes"] > 0
+    assert_no_blocks_held(served.dep)
+
+
+def test_chat_completion_streams_and_reports_usage(client):
+    messages = [{"role": "user", "content": "Why split prefill from decode?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens <= 12
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )
+    )  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_errors_map_to_openai_status_codes(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=5.0)
+    assert err.value.status_code == 400 and "temperature" in str(err.value)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, n=2)
+
+
+def test_client_disconnect_mid_stream_frees_the_blocks(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"http://{served.http.address}/v1/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 5:
+                break  # leave: the connection closes here
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_vllm_bench_serve_runs_a_poisson_benchmark_with_goodput(served, model_path, tmp_path):
+    """vLLM's own benchmark against the endpoint (its module: the wheel's console script
+    cannot start, see bench/vllm_bench_serve.py)."""
+    command = [
+        sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai",
+        "--base-url", f"http://{served.http.address}", "--endpoint", "/v1/completions",
+        "--model", MODEL, "--tokenizer", model_path, "--dataset-name", "random",
+        "--random-input-len", "128", "--random-output-len", "16", "--num-prompts", "16",
+        "--request-rate", "4", "--goodput", "ttft:2000", "tpot:100", "--seed", "0",
+        "--ignore-eos", "--save-result", "--result-dir", str(tmp_path),
+    ]  # fmt: skip
+    run = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "Successful requests:                     16" in run.stdout, run.stdout[-3000:]
+    assert "Failed requests:" not in run.stdout or "Failed requests:                         0" in run.stdout
+    assert "Request goodput (req/s):" in run.stdout
