@@ -192,6 +192,7 @@ class OpenAIFront:
         events = self._events(request, slot)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            shape.chunk(None, None)  # builds the chunk template while prefill runs, off the first token's path
             first = await _first_or_error(events)
             return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream")
         text, tokens, result = "", 0, None
@@ -270,6 +271,7 @@ class _Shape:
         self.model_name = model_name
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._template: dict[str, Any] | None = None
 
     prefix = "cmpl"
 
@@ -280,6 +282,22 @@ class _Shape:
         return 0
 
     def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+        """One stream chunk. vLLM's model builds (and validates) the chunk once per stream;
+        each engine step only fills in its text: a pydantic model per token cost the HTTP
+        stream ~12% of its token rate against gRPC on this box (bench.http_vs_grpc)."""
+        if self._template is None:
+            self._template = self.empty_chunk()
+        chunk = dict(self._template)
+        choice = dict(chunk["choices"][0])
+        self.fill(choice, event.text if event else None)
+        choice["finish_reason"] = finish
+        chunk["choices"] = [choice]
+        return chunk
+
+    def empty_chunk(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def fill(self, choice: dict[str, Any], text: str | None) -> None:
         raise NotImplementedError
 
     def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
@@ -309,11 +327,14 @@ class _Shape:
 class _CompletionShape(_Shape):
     prefix = "cmpl"
 
-    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+    def empty_chunk(self) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
-        choices = [CompletionResponseStreamChoice(index=0, text=event.text if event else "", finish_reason=finish)]
+        choices = [CompletionResponseStreamChoice(index=0, text="")]
         return CompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+
+    def fill(self, choice: dict[str, Any], text: str | None) -> None:
+        choice["text"] = text or ""
 
     def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
@@ -329,16 +350,18 @@ class _ChatShape(_Shape):
     def max_tokens(self, body: Any) -> int | None:
         return body.max_completion_tokens or body.max_tokens
 
-    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
+    def empty_chunk(self) -> dict[str, Any]:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponseStreamChoice,
             ChatCompletionStreamResponse,
         )
 
-        delta = DeltaMessage(role="assistant", content=event.text) if event else DeltaMessage()
-        choices = [ChatCompletionResponseStreamChoice(index=0, delta=delta, finish_reason=finish)]
+        choices = [ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]
         return ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+
+    def fill(self, choice: dict[str, Any], text: str | None) -> None:
+        choice["delta"] = {**choice["delta"], "content": text} if text is not None else {}
 
     def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import (
