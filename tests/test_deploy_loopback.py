@@ -13,8 +13,6 @@ or /tmp, and killing the sandbox's first process kills everything started inside
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import re
@@ -26,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from certificates import write_certificates
 from conftest import wait_until
 
 from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
@@ -326,38 +325,7 @@ def loopback_config() -> dict:
 
 def write_front_door(directory: Path) -> None:
     """A CA, a server certificate for the head's address, tokens for the router, a client token."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def certificate(name: str, key, issuer: x509.Name, issuer_key, ca: bool) -> x509.Certificate:  # noqa: ANN001
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(issuer)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if not ca:
-            san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(HEAD))])
-            builder = builder.add_extension(san, critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    ca_key, server_key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "loopback CA")])
-    directory.mkdir(mode=0o700)
-    pem = serialization.Encoding.PEM
-    (directory / "ca.pem").write_bytes(certificate("loopback CA", ca_key, ca_name, ca_key, True).public_bytes(pem))
-    (directory / "server.pem").write_bytes(certificate(HEAD, server_key, ca_name, ca_key, False).public_bytes(pem))
-    (directory / "server.key").write_bytes(
-        server_key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
+    write_certificates(directory, HEAD)  # ca.pem, server.pem, server.key (and a client certificate)
     (directory / "tokens").write_text(f"generate:{GENERATE_TOKEN}\nadmin:adm-{'x' * 28}\n")
     (directory / "client-token").write_text(GENERATE_TOKEN)
 

@@ -5,16 +5,14 @@ cancel, the prefill pool's loss, graceful drain, and hostile input (property-bas
 from __future__ import annotations
 
 import asyncio
-import datetime
-import ipaddress
 import os
 import signal
 import time
-from pathlib import Path
 
 import grpc
 import pytest
 import ray
+from certificates import write_certificates
 from conftest import ServedStack, assert_no_blocks_held, stream_tokens, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import PROMPTS, prompt_of
@@ -33,55 +31,9 @@ ADMIN_TOKEN = "adm-" + "a" * 28
 MAX_IN_FLIGHT, MAX_QUEUE = 4, 4
 
 
-def _certificates(directory: Path) -> dict[str, str]:
-    """A CA, a server certificate for 127.0.0.1 and a client certificate, all signed by it."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "pdserve test CA")])
-
-    def issue(name: str, key, issuer_key, issuer_name, ca: bool, san=None):  # noqa: ANN001
-        builder = (
-            x509.CertificateBuilder()
-            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-            .issuer_name(issuer_name)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=1))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-        )
-        if san:
-            builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    files = {}
-
-    def write(name: str, cert, key) -> None:  # noqa: ANN001
-        files[f"{name}_cert"] = str(directory / f"{name}.pem")
-        Path(files[f"{name}_cert"]).write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        if key is not None:
-            files[f"{name}_key"] = str(directory / f"{name}.key")
-            Path(files[f"{name}_key"]).write_bytes(
-                key.private_bytes(
-                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-                )
-            )
-
-    write("ca", issue("pdserve test CA", ca_key, ca_key, ca_name, True), None)
-    for name, san in (("server", [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), ("client", None)):
-        key = ec.generate_private_key(ec.SECP256R1())
-        write(name, issue(name, key, ca_key, ca_name, False, san), key)
-    return files
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> dict[str, str]:
-    return _certificates(tmp_path_factory.mktemp("certs"))
+    return write_certificates(tmp_path_factory.mktemp("certs"), "127.0.0.1")
 
 
 @pytest.fixture(scope="module")
