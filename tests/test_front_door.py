@@ -183,7 +183,7 @@ def test_oversized_input_is_refused_before_any_work(door):
     with pytest.raises(grpc.aio.AioRpcError) as err:
         door.call(lambda ch: _generate(ch, text))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text" in err.value.details()
-    huge = build_request([5] * (1 << 20), max_tokens=4)  # ~5 MiB of varints
+    huge = pb.GenerateRequest(text="x" * (5 << 20), sampling=pb.SamplingParams(max_tokens=4))  # 5 MiB
     with pytest.raises(grpc.aio.AioRpcError) as err:
         door.call(lambda ch: _generate(ch, huge))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
