@@ -18,3 +18,6 @@ bench: install
 	$(VENV)/bin/python -m bench.stack_overhead
 	$(VENV)/bin/python -m bench.nixl_transfer
 	$(VENV)/bin/python -m bench.goodput_compare
+	$(VENV)/bin/python -m bench.disagg_vs_colocated --tp 2 --lengths 128 1024
+	$(VENV)/bin/python -m bench.overload --rate 6
+	$(VENV)/bin/python -m bench.http_vs_grpc
