@@ -37,6 +37,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
     serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port (0: off)")
     serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
+    serve.add_argument(
+        "--prometheus-sd-file", help="keep a Prometheus file_sd target file of the workers' metrics endpoints here"
+    )
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here")
     serve.add_argument("--served-model-name", help="model id for the HTTP API (default: --model)")
     door = serve.add_argument_group("front door")
@@ -122,6 +125,7 @@ def front_door_config(args: argparse.Namespace) -> "FrontDoorConfig":
         max_in_flight=args.max_in_flight,
         max_queue=args.max_queue,
         max_pool_size=args.max_engines_per_pool,
+        prometheus_sd_file=args.prometheus_sd_file,
     )
 
 

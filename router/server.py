@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import grpc
@@ -24,6 +25,7 @@ from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
 from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator, PrefillTimeoutError
 from router.pools import NoWorkerError
+from router.prometheus_targets import write_targets
 from router.security import AuthInterceptor, ServerTLS, TokenTable
 from vllm_engine.requests import InvalidRequestError
 
@@ -59,6 +61,7 @@ class FrontDoorConfig:
     max_concurrent_streams: int = 4096  # per HTTP/2 connection
     max_message_bytes: int = 4 << 20
     max_pool_size: int = 64  # Admin.ScalePools refuses more engines per pool
+    prometheus_sd_file: str | None = None  # kept current with the workers' metrics endpoints
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -235,6 +238,8 @@ class RouterServer:
     async def _update_health(self) -> None:
         o = self.orchestrator
         await o.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
+        if self.front.prometheus_sd_file:
+            write_targets(Path(self.front.prometheus_sd_file), (o.prefill, o.decode))
         if self.admission.draining:
             return
         serving = health_pb2.HealthCheckResponse.SERVING

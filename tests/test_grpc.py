@@ -184,6 +184,24 @@ def test_metrics_show_every_phase_and_the_transfer(stack):
     assert prefill["pdserve_leases_granted_total[]"] >= 1
 
 
+def test_prometheus_target_file_lists_every_worker_endpoint(stack, tmp_path):
+    """What `--prometheus-sd-file` keeps current: every target answers with worker metrics."""
+    import json
+
+    from router.prometheus_targets import write_targets
+
+    dep = stack.dep
+    path = tmp_path / "workers.json"
+    assert write_targets(path, (dep.prefill, dep.decode)) and not write_targets(path, (dep.prefill, dep.decode))
+    groups = json.loads(path.read_text())
+    assert sorted((g["labels"]["role"], g["labels"]["actor"]) for g in groups) == [
+        ("decode", "decode-0"),
+        ("prefill", "prefill-0"),
+    ]
+    for group in groups:
+        assert any(name.startswith("pdserve_leases_granted_total") for name in _scrape(group["targets"][0]))
+
+
 def test_admin_scale_pools_keeps_the_serving_mode(stack):
     from proto.pdserve.v1 import generate_pb2 as pb
     from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc

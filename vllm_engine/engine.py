@@ -33,6 +33,7 @@ class EngineLoad:
     free_blocks: int
     total_blocks: int
     engine_id: str = ""  # filled in by the worker that owns the engine
+    metrics_address: str = ""  # the worker's Prometheus endpoint (changes when Ray restarts it)
 
 
 class Engine(Protocol):

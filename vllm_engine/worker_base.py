@@ -35,7 +35,7 @@ class EngineWorker:
 
     def load(self) -> EngineLoad:
         """Cheap load report; carries the engine id so a router notices a restart."""
-        return replace(self._engine.load(), engine_id=self.engine_id)
+        return replace(self._engine.load(), engine_id=self.engine_id, metrics_address=self._metrics_address)
 
     def model_limits(self) -> ModelLimits:
         return self.limits

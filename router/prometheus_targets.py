@@ -1,0 +1,37 @@
+"""Prometheus file-based service discovery for the workers' metrics endpoints.
+
+Each engine actor serves its metrics on a port of its own node, chosen at start (many per
+node) and new after every restart, which no static scrape configuration can list. The router
+already hears each worker's address in its load reports; with `--prometheus-sd-file` it keeps
+a `file_sd_configs` target file current (deploy/prometheus.yml shows the scrape job).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterable
+
+from router.pools import Pool
+
+
+def targets(pools: Iterable[Pool]) -> list[dict]:
+    """One target group per live worker, labelled with its role and actor name."""
+    return [
+        {"targets": [member.load.metrics_address], "labels": {"role": pool.role, "actor": member.name}}
+        for pool in pools
+        for member in pool.members
+        if member.alive and member.load is not None and member.load.metrics_address
+    ]
+
+
+def write_targets(path: Path, pools: Iterable[Pool]) -> bool:
+    """Rewrite `path` (atomically: Prometheus may read it any time) if the targets changed."""
+    text = json.dumps(targets(pools), indent=1, sort_keys=True)
+    if path.exists() and path.read_text() == text:
+        return False
+    staging = path.with_name(f".{path.name}.tmp")
+    staging.write_text(text)
+    os.replace(staging, path)
+    return True
