@@ -1,13 +1,22 @@
-"""Layering: benchmarks depend on the product, never the other way round."""
+"""Layering: which packages a module pulls in, checked in a fresh interpreter."""
 
 import subprocess
 import sys
 
 
-def test_product_packages_never_import_bench():
-    code = (
-        "import sys, router.cli, router.server, planner.cli, planner.probe, planner.trace, vllm_engine.plan_cli; "
-        "print(sorted(m for m in sys.modules if m == 'bench' or m.startswith('bench.')))"
-    )
+def packages_loaded_by(modules: str) -> set[str]:
+    """Top-level packages in sys.modules after importing `modules` (comma-separated)."""
+    code = f"import sys, {modules}; print(' '.join(sorted({{m.split('.')[0] for m in sys.modules}})))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "[]"
+    return set(out.split())
+
+
+def test_product_packages_never_import_bench():
+    """Benchmarks depend on the product, never the other way round."""
+    product = "router.cli, router.server, planner.cli, planner.probe, planner.trace, vllm_engine.plan_cli"
+    assert "bench" not in packages_loaded_by(product)
+
+
+def test_sizing_imports_no_heavy_packages():
+    """`pdserve plan` answers from config.json alone: no vLLM, torch or Ray."""
+    assert not packages_loaded_by("vllm_engine.sizing") & {"vllm", "torch", "ray"}
