@@ -28,6 +28,7 @@ class Member:
     alive: bool = False
     draining: bool = False  # being removed: finishes its requests, never picked again
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
+    missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
 
 
@@ -35,6 +36,10 @@ class Member:
 class Pool:
     role: str
     members: list[Member] = field(default_factory=list)
+    # A busy engine can answer a load poll late (one core, a big batch): dropping it from
+    # rotation then would only push its load onto the others. Only this many timeouts in a
+    # row (a wedged actor) take it out; a dead actor's error does at once.
+    timeouts_before_dead: int = 3
     _tiebreak: itertools.count = field(default_factory=itertools.count)
 
     def pick_prefill(self) -> Member:
@@ -67,21 +72,30 @@ class Pool:
         return any(m.alive for m in self.members)
 
     async def refresh_loads(self, timeout_s: float) -> list[Member]:
-        """Poll every member's load; one that does not answer in time counts as dead.
+        """Poll every member's load. One whose actor is gone, or that times out
+        `timeouts_before_dead` polls in a row, counts as dead.
 
         Returns the members that answer but are not alive yet, or answer under a new engine
         id (new, or restarted between two polls): the caller decides when they take traffic.
         """
 
-        async def report(member: Member) -> EngineLoad | None:
+        async def report(member: Member) -> EngineLoad | TimeoutError | None:
             try:
                 return await asyncio.wait_for(member.actor.load.remote(), timeout_s)
-            except Exception:  # actor died, or is wedged: either way, do not route to it
+            except TimeoutError as late:
+                return late
+            except Exception:  # actor died or is restarting: do not route to it
                 return None
 
         reports = await asyncio.gather(*(report(m) for m in self.members))
         joining = []
         for member, load in zip(self.members, reports):
+            if isinstance(load, TimeoutError):
+                member.missed_polls += 1
+                if member.missed_polls >= self.timeouts_before_dead:
+                    member.alive = False
+                continue
+            member.missed_polls = 0
             member.load = load
             if load is None:
                 member.alive = False

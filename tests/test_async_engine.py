@@ -27,8 +27,10 @@ def test_each_engine_core_runs_in_its_own_process(deployment):
     for member in dep.prefill.members + dep.decode.members:
         assert ray.get(member.actor.engine_path.remote()) == "async"
         children = psutil.Process(ray.get(member.actor.pid.remote())).children(recursive=True)
-        titles = [" ".join(p.cmdline()) for p in children]
-        assert any("EngineCore" in title for title in titles), (member.name, titles)
+        # The engine core is the child that runs the model (torch mapped in). Its process
+        # title ("VLLM::EngineCore") is no reliable mark: CI once read it still unset.
+        running_torch = [p for p in children if any("libtorch" in m.path for m in p.memory_maps())]
+        assert running_torch, (member.name, [" ".join(p.cmdline()) for p in children])
 
 
 @pytest.mark.parametrize("name", ["over_one_block", "long"])

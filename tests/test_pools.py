@@ -1,0 +1,80 @@
+"""Pool health from load polls: a late answer is not a death, a dead actor is.
+
+Fast unit tests with stand-in actor handles; the real paths (a killed actor, a SIGSTOPped
+one) run in test_faults.py and test_front_door.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from ray.exceptions import ActorDiedError
+
+from router.pools import Member, NoWorkerError, Pool
+from vllm_engine.engine import EngineLoad
+
+LOAD = EngineLoad(running=0, waiting=0, held_for_transfer=0, free_blocks=10, total_blocks=10, engine_id="e1")
+
+
+class _Method:
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def remote(self):
+        async def call():
+            if self.answer == "slow":
+                await asyncio.sleep(10)
+            if isinstance(self.answer, BaseException):
+                raise self.answer
+            return self.answer
+
+        return call()
+
+
+class _Actor:
+    def __init__(self, answer) -> None:
+        self.load = _Method(answer)
+
+
+def _pool(answer) -> Pool:
+    return Pool("decode", [Member("decode-0", _Actor(answer), alive=True, engine_id="e1")])
+
+
+def _poll(pool: Pool) -> list[Member]:
+    return asyncio.run(pool.refresh_loads(timeout_s=0.01))
+
+
+def test_a_late_load_report_keeps_the_member_until_timeouts_in_a_row():
+    pool = _pool("slow")
+    for _ in range(pool.timeouts_before_dead - 1):
+        assert _poll(pool) == [] and pool.members[0].alive
+    _poll(pool)
+    assert not pool.members[0].alive
+    try:
+        pool.pick_decode()
+    except NoWorkerError as err:
+        assert "no live decode actor" in str(err)
+    else:
+        raise AssertionError("a wedged member was picked")
+
+
+def test_an_answer_resets_the_count_of_late_polls():
+    pool = _pool("slow")
+    _poll(pool)
+    _poll(pool)
+    pool.members[0].actor.load.answer = LOAD
+    assert _poll(pool) == [] and pool.members[0].missed_polls == 0 and pool.members[0].alive
+    pool.members[0].actor.load.answer = "slow"
+    _poll(pool)
+    assert pool.members[0].alive
+
+
+def test_a_dead_actor_leaves_rotation_at_the_first_poll():
+    pool = _pool(ActorDiedError())
+    _poll(pool)
+    assert not pool.members[0].alive
+
+
+def test_a_restarted_engine_rejoins_through_the_caller():
+    pool = _pool(dataclasses.replace(LOAD, engine_id="e2"))
+    assert _poll(pool) == pool.members and not pool.members[0].alive  # until handshaken
