@@ -4,13 +4,18 @@
 producer named in the handle (NixlConnector READ), then decodes; every engine step advances
 all running requests together. Without a handle the engine prefills the prompt itself,
 which is also how the colocated baseline runs (`transfer=None`: no connector at all).
+
+Routers use the batched form: `feed(subscriber)` streams, a batch per engine step, the
+tokens of every request the subscriber started with `start_leg` (decode_worker/feed.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator, Callable
+
+from decode_worker.feed import FeedHub
 
 from kv_transfer.connector_config import (
     Role,
@@ -21,8 +26,11 @@ from kv_transfer.connector_config import (
 from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
 from vllm_engine.config import EngineConfig
-from vllm_engine.requests import GenerateRequest, TokenChunk
+from vllm_engine.requests import GenerateRequest, LegEvent, TokenChunk
 from vllm_engine.worker_base import EngineWorker
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 
 class TransferFailedError(RuntimeError):
@@ -40,6 +48,7 @@ class DecodeWorker(EngineWorker):
     ) -> None:
         self.name = name
         self._transfer = transfer
+        self._feeds = FeedHub()
         if transfer is None:
             self.engine_id = f"colocated-{name}"
             self._start_engine(engine_config, on_fatal=on_fatal)
@@ -66,6 +75,24 @@ class DecodeWorker(EngineWorker):
         self, request: GenerateRequest, handle: TransferHandle | None = None
     ) -> AsyncIterator[TokenChunk]:
         """Stream the request's tokens. The first chunk holds the first real token."""
+        async for chunk in self._admit(request, handle):
+            yield chunk
+
+    async def feed(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
+        """Every request `subscriber` starts with `start_leg`, a batch per engine step."""
+        async for batch in self._feeds.stream(subscriber):
+            yield batch
+
+    async def start_leg(self, subscriber: str, request: GenerateRequest, handle: TransferHandle | None) -> None:
+        """Start decoding into `subscriber`'s feed; a bad request or an expired handle is
+        refused here, later failures arrive in the feed."""
+        self._feeds.start(subscriber, request.request_id, self._admit(request, handle))
+
+    def abort_leg(self, request_id: str) -> None:
+        self._feeds.abort(request_id)
+
+    def _admit(self, request: GenerateRequest, handle: TransferHandle | None) -> AsyncIterator[TokenChunk]:
+        """Check the request now; its tokens stream when the result is iterated."""
         from vllm.sampling_params import RequestOutputKind
 
         request.validate(self.limits)
@@ -76,6 +103,11 @@ class DecodeWorker(EngineWorker):
             handle.check_usable(self._transfer.handle_margin_s)
             extra_args = {"kv_transfer_params": handle.connector_params}
         params = request.sampling.to_vllm(output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
+        return self._stream(request, handle, params)
+
+    async def _stream(
+        self, request: GenerateRequest, handle: TransferHandle | None, params: SamplingParams
+    ) -> AsyncIterator[TokenChunk]:
         outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), params)
         if handle is not None:
             outputs = _first_within(outputs, self._transfer.transfer_timeout_s, handle)

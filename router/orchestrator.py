@@ -24,6 +24,7 @@ from kv_transfer.handle import TransferHandle
 from kv_transfer.layout import TransferBytes
 from prefill_worker.worker import PrefillResult
 from router import metrics
+from router.feeds import DecodeFeed
 from router.pools import Member, NoWorkerError, Pool
 from router.timings import LatencySummary, PhaseTimings
 from vllm_engine.requests import (
@@ -107,6 +108,8 @@ class Orchestrator:
         # with how long that first transfer took.
         self.handshakes: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[None]] = set()  # releases in flight
+        # One batched token stream per decode actor for this router (router/feeds.py).
+        self._feeds: dict[str, DecodeFeed] = {}
 
     async def refresh(self, poll_timeout_s: float, handshake_timeout_s: float = 30.0) -> None:
         """Poll both pools. An actor that joins (start-up, restart) first completes its NIXL
@@ -189,32 +192,47 @@ class Orchestrator:
         self, member: Member, request: GenerateRequest, handle: TransferHandle | None, progress: _Progress
     ) -> AsyncIterator[TokenChunk]:
         member.outstanding_requests += 1
-        stream = member.actor.generate.remote(request, handle)
+        feed = self._feed(member)
+        events = feed.open_leg(request.request_id)
         started = finished = False
         try:
+            await member.actor.start_leg.remote(feed.subscriber, request, handle)
             while not finished:
                 try:
-                    ref = await asyncio.wait_for(anext(stream), self.policy.stall_timeout_s)
-                    chunk: TokenChunk = await asyncio.wait_for(ref, self.policy.stall_timeout_s)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.policy.stall_timeout_s):
+                        event = await events.get()
+                except TimeoutError:
                     raise DecodeFailedError(
                         f"decode actor {member.name} sent nothing for {self.policy.stall_timeout_s:.0f}s "
                         f"while serving {request.request_id}"
                     ) from None
+                if isinstance(event, BaseException):  # the feed broke: the actor died
+                    raise event
+                if event.error is not None:
+                    raise event.error
+                chunk = event.chunk
                 started = True
                 progress.add(chunk)
                 finished = chunk.finish_reason is not None
                 yield chunk
         finally:
+            feed.close_leg(request.request_id)
             member.outstanding_requests -= 1
-            if not finished:  # caller left early or the actor failed: stop the engine too
-                ray.cancel(stream)
+            if not finished and feed.usable:  # caller left early or it failed: stop the engine too
+                member.actor.abort_leg.remote(request.request_id)
             if handle is not None and not started:
                 # Cancelled or failed before decode produced anything: the producer may
                 # still hold the blocks; have it free them now, not at lease expiry.
                 self._release_soon(handle)
+
+    def _feed(self, member: Member) -> DecodeFeed:
+        """This router's feed from `member`, reopened after the actor restarted."""
+        feed = self._feeds.get(member.name)
+        if feed is None or not feed.usable or feed.actor is not member.actor:
+            if feed is not None:
+                feed.close()
+            feed = self._feeds[member.name] = DecodeFeed(member.actor)
+        return feed
 
     async def _prefill_or_local(self, request: GenerateRequest) -> tuple[Member | None, PrefillResult | None]:
         """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill actor

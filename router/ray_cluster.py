@@ -23,6 +23,11 @@ DECODE_RESOURCE = "pdserve_decode"
 
 # A private local cluster only: a joined cluster's auth mode is never overridden.
 ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# Ray starts worker processes, and with them every engine actor, at nice 15 by default:
+# under CPU contention the engines then lose to everything else on the node, and streams
+# stall (bench/router_capacity.py --worker-niceness 15 0 measures it). The raylet reads
+# this at start; deploy/'s `ray start` commands set it too. An operator's value wins.
+WORKER_NICENESS_ENV = ("RAY_worker_niceness", "0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,6 +43,7 @@ class LocalClusterConfig:
 def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
     """Start a private single-node cluster in this process; returns its temp dir."""
     os.environ.update(ISOLATION_ENV)
+    os.environ.setdefault(*WORKER_NICENESS_ENV)
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: Ray socket paths are length-limited
     ray.init(
         address="local",

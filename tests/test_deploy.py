@@ -92,7 +92,8 @@ def _run_start_commands(
     bin_dir.mkdir(exist_ok=True)
     (bin_dir / "ray").write_text(
         f"#!{sys.executable}\nimport json, os, sys\n"
-        "print(json.dumps({'args': sys.argv[1:], 'auth_mode': os.environ.get('RAY_AUTH_MODE')}))\n"
+        "print(json.dumps({'args': sys.argv[1:], 'auth_mode': os.environ.get('RAY_AUTH_MODE'),"
+        " 'worker_niceness': os.environ.get('RAY_worker_niceness')}))\n"
     )
     (bin_dir / "ray").chmod(0o755)
     home = tmp_path / "home"
@@ -113,7 +114,8 @@ def _run_start_commands(
 
 
 def _ray_calls(results) -> list[dict]:
-    """Each `ray` invocation: {"args": [...], "auth_mode": RAY_AUTH_MODE as it saw it}."""
+    """Each `ray` invocation: {"args": [...], "auth_mode": RAY_AUTH_MODE, "worker_niceness":
+    RAY_worker_niceness, as it saw them}."""
     assert all(r.returncode == 0 for r in results), [r.stderr for r in results]
     return [json.loads(line) for r in results for line in r.stdout.splitlines()]
 
@@ -278,13 +280,14 @@ def _start_commands(config: dict) -> dict[str, tuple[list[str], str]]:
 
 
 @pytest.mark.parametrize("name", ["aws-h100.yaml", "onprem.yaml"])
-def test_every_ray_start_runs_with_token_auth(name, tmp_path):
+def test_every_ray_start_runs_with_token_auth_and_engines_at_normal_priority(name, tmp_path):
     config = load(name)
     for role, (commands, ip) in _start_commands(config).items():
         calls = _ray_calls(_run_start_commands(commands, ip, "10.0.0.10", tmp_path))
         starts = [c for c in calls if c["args"][0] == "start"]
         assert len(starts) == 1, (role, calls)
         assert starts[0]["auth_mode"] == "token", f"{name}: the {role}'s `ray start` runs without RAY_AUTH_MODE=token"
+        assert starts[0]["worker_niceness"] == "0", f"{name}: the {role}'s engines would run at Ray's nice 15"
         if role == "head":
             assert "--dashboard-host=127.0.0.1" in starts[0]["args"], "the dashboard must stay on the head's loopback"
 

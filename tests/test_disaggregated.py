@@ -10,6 +10,7 @@ import math
 import os
 from pathlib import Path
 
+import psutil
 import pytest
 import ray
 from conftest import assert_no_blocks_held, run
@@ -59,6 +60,13 @@ def test_each_engine_keeps_to_its_own_core(deployment):
     for pid, core in zip(pids, cores):
         threads = os.listdir(f"/proc/{pid}/task")
         assert threads and all(os.sched_getaffinity(int(tid)) == {int(core)} for tid in threads), (pid, core)
+
+
+def test_engines_run_at_normal_priority(deployment):
+    """Ray would start them at nice 15, behind everything else on the node."""
+    dep, _ = deployment
+    pids = ray.get([m.actor.pid.remote() for m in dep.prefill.members + dep.decode.members])
+    assert [psutil.Process(pid).nice() for pid in pids] == [os.nice(0)] * len(pids)
 
 
 def test_reference_outputs_differ_per_prompt(reference):

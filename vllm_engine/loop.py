@@ -35,11 +35,22 @@ _IDLE_WAIT_S = 0.05
 
 
 @dataclass(frozen=True, slots=True)
+class _Sink:
+    """Where one request's outputs go: a queue read on an asyncio loop in another thread."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[Any]
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
     prompt_token_ids: list[int]
     params: "SamplingParams"
-    sink: Callable[[Any], None]
+    sink: _Sink
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +72,7 @@ class EngineLoop:
         self._scheduler = engine.engine_core.engine_core.scheduler
         self._commands: queue.SimpleQueue[_Add | _Abort | _Release | None] = queue.SimpleQueue()
         self._step_once = False  # a release must reach the connector even with nothing to run
-        self._sinks: dict[str, Callable[[Any], None]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name="vllm-engine-loop", daemon=True)
         self._thread.start()
@@ -104,9 +115,8 @@ class EngineLoop:
         self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
         """Yield this request's outputs; leaving early (break, cancel) aborts it in the engine."""
-        loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[Any] = asyncio.Queue()
-        self._send(_Add(request_id, prompt_token_ids, params, lambda o: loop.call_soon_threadsafe(outputs.put_nowait, o)))
+        self._send(_Add(request_id, prompt_token_ids, params, _Sink(asyncio.get_running_loop(), outputs)))
         finished = False
         try:
             while not finished:
@@ -184,7 +194,7 @@ class EngineLoop:
                     command.request_id, {"prompt_token_ids": command.prompt_token_ids}, command.params
                 )
             except Exception as exc:  # invalid request: report it to its caller only
-                command.sink(as_invalid_request(exc))
+                command.sink.put(as_invalid_request(exc))
             else:
                 self._sinks[command.request_id] = command.sink
 
@@ -193,18 +203,29 @@ class EngineLoop:
             outputs = self._engine.step()
         except Exception as exc:  # engine failure: every waiting caller must hear of it
             for sink in self._sinks.values():
-                sink(exc)
+                sink.put(exc)
             self._sinks.clear()
             if self._on_fatal is not None:
                 self._on_fatal(exc)
             raise
+        # One wake-up per asyncio loop per step, not one per request: the callers of one
+        # step's outputs then all run in the same loop iteration (and the self-pipe write,
+        # a syscall, is paid once per step).
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], Any]]] = {}
         for output in outputs:
             sink = self._sinks.get(output.request_id)
             if sink is None:
                 continue
             if output.finished:
                 del self._sinks[output.request_id]
-            sink(output)
+            by_loop.setdefault(sink.loop, []).append((sink.queue, output))
+        for loop, deliveries in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, deliveries)
+
+
+def _deliver(deliveries: list[tuple[asyncio.Queue[Any], Any]]) -> None:
+    for queue_, output in deliveries:
+        queue_.put_nowait(output)
 
 
 def _pre_aborted(kv_transfer_params: dict[str, Any]) -> Any:

@@ -152,3 +152,13 @@ class TokenChunk:
     # Per token, when requested: top alternatives as (token id, logprob), best first.
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
+
+
+@dataclass(frozen=True, slots=True)
+class LegEvent:
+    """One request's news in a decode feed's batch: its new tokens, or the error that ended
+    it. `leg_id` is the id the engine serves the request under."""
+
+    leg_id: str
+    chunk: TokenChunk | None = None
+    error: BaseException | None = None

@@ -1,0 +1,241 @@
+"""Where the serving stack's CPU goes per streamed token, measured with the real engines.
+
+Starts `pdserve serve` (a real router process, 1 prefill + 2 decode actors by default),
+streams C concurrent gRPC requests of T tokens through it, and reads the process CPU time
+(user + system) of the router process and of each decode actor before and after. Prints
+CPU milliseconds per streamed token for the router process and for the decode actor
+processes (engine step and serving together).
+
+    python -m bench.router_capacity [--streams 16] [--tokens 128] [--rounds 3]
+                                    [--worker-niceness 15 0]
+
+The router's CPU is also split by thread: Python's main thread (asyncio: gRPC handlers,
+orchestrator, protobuf) apart from Ray's C++ IO thread and gRPC's pollers. With
+`--worker-niceness A B` one server per value runs, their rounds interleaved, and the ratios
+are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import grpc
+import psutil
+
+from bench.loadgen import LengthProfile, LoadConfig, run_workload, synthetic_workload
+from router.timings import Percentiles
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    tokens: int
+    seconds: float
+    router_cpu_s: float
+    decode_cpu_s: float
+    itl_s: Percentiles
+    router_threads_s: dict[str, float]  # router CPU seconds by thread name
+
+    @property
+    def router_ms_per_token(self) -> float:
+        return 1e3 * self.router_cpu_s / self.tokens
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        return 1e3 * self.decode_cpu_s / self.tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for p in processes:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _cpu_by_thread(process: psutil.Process) -> dict[str, float]:
+    """CPU seconds per thread name (Ray's C++ core worker and gRPC threads are named;
+    Python's main thread carries the asyncio loop: gRPC server, orchestrator, protobuf)."""
+    totals: dict[str, float] = {}
+    for thread in process.threads():
+        try:
+            name = Path(f"/proc/{process.pid}/task/{thread.id}/comm").read_text().strip()
+        except OSError:  # ended meanwhile
+            continue
+        name = "main (asyncio)" if thread.id == process.pid else name.rstrip("0123456789")
+        totals[name] = totals.get(name, 0.0) + thread.user_time + thread.system_time
+    return totals
+
+
+def _decode_actors(router: psutil.Process) -> list[psutil.Process]:
+    """This cluster's decode actors: Ray names worker processes after the actor class."""
+    mine = {c.pid for c in router.children(recursive=True)}
+    processes = psutil.process_iter(["pid", "cmdline"])
+    return [p for p in processes if p.pid in mine and "DecodeActor" in " ".join(p.info["cmdline"] or [])]
+
+
+async def _wait_ready(target: str, timeout_s: float) -> None:
+    from router.client import build_request, stream_generate
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                async for _ in stream_generate(channel, build_request([1, 2, 3, 4], max_tokens=2), timeout_s=30):
+                    pass
+            return
+        except grpc.aio.AioRpcError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(1)
+
+
+async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float, Percentiles]:
+    specs = synthetic_workload(1e6, config.num_requests, config.profile, seed)  # all at once
+    async with grpc.aio.insecure_channel(target) as channel:
+        started = time.perf_counter()
+        report = await run_workload(channel, specs, config, "round", None)
+    if report.summary.completed != len(specs):
+        raise RuntimeError(f"{len(specs) - report.summary.completed} of {len(specs)} streams failed")
+    tokens = sum(len(r.token_times_s) for r in report.requests)
+    return tokens, time.perf_counter() - started, report.summary.itl_s
+
+
+class _Server:
+    """One `pdserve serve` process (its own local cluster); `niceness`: its engines' nice
+    value (Ray's RAY_worker_niceness), None for pdserve's default."""
+
+    def __init__(self, args: argparse.Namespace, niceness: str | None) -> None:
+        self.label = f"engines at nice {niceness}" if niceness is not None else "pdserve defaults"
+        self.target = f"127.0.0.1:{_free_port()}"
+        command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill)]
+        command += ["--decode", str(args.decode), "--listen", self.target, "--metrics-port", "0"]
+        command += ["--max-num-seqs", str(max(16, args.streams))]
+        env = dict(os.environ) | ({"RAY_worker_niceness": niceness} if niceness is not None else {})
+        print(f"starting pdserve serve ({args.prefill}P + {args.decode}D, {self.label}) ...", file=sys.stderr)
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+        )
+        self.router = psutil.Process(self.process.pid)
+        self.decode: list[psutil.Process] = []
+        self.expected_decode = args.decode
+
+    def ready(self, config: LoadConfig) -> None:
+        asyncio.run(_wait_ready(self.target, timeout_s=300))
+        self.decode = _decode_actors(self.router)
+        if len(self.decode) != self.expected_decode:
+            raise RuntimeError(f"found {len(self.decode)} decode actor processes, expected {self.expected_decode}")
+        asyncio.run(_round(self.target, config, seed=1000))  # warm: handshakes, first steps
+
+    def round(self, config: LoadConfig, seed: int) -> Round:
+        before = (_cpu_s([self.router]), _cpu_s(self.decode), _cpu_by_thread(self.router))
+        tokens, seconds, itl = asyncio.run(_round(self.target, config, seed))
+        after = (_cpu_s([self.router]), _cpu_s(self.decode), _cpu_by_thread(self.router))
+        threads = {name: t - before[2].get(name, 0.0) for name, t in after[2].items()}
+        return Round(tokens, seconds, after[0] - before[0], after[1] - before[1], itl, threads)
+
+    def stop(self) -> None:
+        os.killpg(self.process.pid, signal.SIGINT)  # serve shuts its cluster down
+        try:
+            self.process.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+
+
+def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
+    """Rounds per server, interleaved (round 1 on each, then round 2 ...) so that the box's
+    drift over the run falls on every configuration alike."""
+    ratio = args.prompt_tokens / args.tokens
+    profile = LengthProfile((args.tokens, args.tokens), (ratio, ratio))
+    config = LoadConfig(num_requests=args.streams, profile=profile, time_limit_s=600, warmup=0, progress=False)
+    servers = [_Server(args, n) for n in (args.worker_niceness or [None])]
+    try:
+        for server in servers:
+            server.ready(config)
+        rounds: dict[str, list[Round]] = {s.label: [] for s in servers}
+        for i in range(args.rounds):
+            for server in servers:
+                r = server.round(config, seed=i)
+                rounds[server.label].append(r)
+                print(
+                    f"round {i + 1}/{args.rounds}, {server.label}: {r.tokens} tokens in {r.seconds:.1f}s; "
+                    f"router {r.router_ms_per_token:.3f} ms CPU/token, decode actors {r.decode_ms_per_token:.3f}",
+                    file=sys.stderr,
+                )
+        return rounds
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _median(rounds: list[Round]) -> Round:
+    return sorted(rounds, key=lambda r: r.router_ms_per_token)[len(rounds) // 2]
+
+
+def _print_summary(rounds: list[Round]) -> None:
+    median = _median(rounds)
+    best = min(rounds, key=lambda r: r.router_ms_per_token)
+    print(
+        f"  router CPU per streamed token:        {median.router_ms_per_token:.3f} ms "
+        f"(median; best {best.router_ms_per_token:.3f})"
+    )
+    print(f"  decode actors' CPU per streamed token: {median.decode_ms_per_token:.3f} ms (engine step included)")
+    print(f"  tokens/s through the router:          {median.tokens / median.seconds:.0f}")
+    print(f"  inter-token p50 / p99:                {1e3 * median.itl_s.p50:.1f} / {1e3 * median.itl_s.p99:.1f} ms")
+    print(f"  one router core carries about:        {1e3 / median.router_ms_per_token:,.0f} tokens/s")
+    print("  router CPU by thread (ms per token):")
+    for name, seconds in sorted(median.router_threads_s.items(), key=lambda kv: -kv[1]):
+        if seconds * 1e3 / median.tokens >= 0.005:
+            print(f"    {name:<28} {1e3 * seconds / median.tokens:.3f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.router_capacity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prefill", type=int, default=1)
+    parser.add_argument("--decode", type=int, default=2)
+    parser.add_argument("--streams", type=int, default=16, help="concurrent streams per round")
+    parser.add_argument("--tokens", type=int, default=128, help="output tokens per stream")
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--worker-niceness", nargs="+", metavar="N", help="compare engines at these nice values (Ray's default: 15)"
+    )
+    parser.add_argument("--json", type=Path, help="write the rounds here")
+    args = parser.parse_args(argv)
+    results = measure(args)
+    shape = f"{args.streams} streams x {args.tokens} tokens through {args.prefill}P + {args.decode}D"
+    print(f"\n{shape}, {args.rounds} rounds each")
+    for label, rounds in results.items():
+        print(f"{label}:")
+        _print_summary(rounds)
+    if len(results) > 1:
+        (base_label, base), *others = [(label, _median(r)) for label, r in results.items()]
+        for label, other in others:
+            print(
+                f"{label} / {base_label}: router CPU per token "
+                f"{other.router_ms_per_token / base.router_ms_per_token:.2f}x, "
+                f"tokens/s {(other.tokens / other.seconds) / (base.tokens / base.seconds):.2f}x, "
+                f"inter-token p50 {other.itl_s.p50 / base.itl_s.p50:.2f}x, p99 {other.itl_s.p99 / base.itl_s.p99:.2f}x"
+            )
+    if args.json:
+        args.json.write_text(json.dumps({k: [asdict(r) for r in rounds] for k, rounds in results.items()}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

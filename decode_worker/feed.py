@@ -1,0 +1,78 @@
+"""Decode feeds: one stream per router process carrying every one of its requests' new
+tokens, a batch per engine step, instead of one Ray stream item per request per token.
+
+Ray charges each streamed item an object ref, a report to the caller and a wake-up on both
+sides (bench/router_capacity.py measured ~0.3 ms of the router's Ray IO thread per token
+that way); a batch per step pays that once for the whole batch. Tokens are not held back:
+a batch goes out as soon as the step's outputs are in, whatever their number.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from vllm_engine.requests import LegEvent, TokenChunk
+
+
+@dataclass(slots=True)
+class _Feed:
+    pending: list[LegEvent] = field(default_factory=list)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    legs: set[str] = field(default_factory=set)
+
+    def put(self, event: LegEvent) -> None:
+        self.pending.append(event)
+        self.ready.set()
+
+
+class FeedHub:
+    """The feeds of one decode worker, and the requests ("legs") each one carries."""
+
+    def __init__(self) -> None:
+        self._feeds: dict[str, _Feed] = {}
+        self._legs: dict[str, asyncio.Task[None]] = {}
+
+    async def stream(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
+        """The batches for `subscriber` until it closes the feed (or dies: Ray cancels this
+        task then), which also aborts every request it still has here."""
+        feed = self._feeds.setdefault(subscriber, _Feed())
+        try:
+            while True:
+                await feed.ready.wait()
+                feed.ready.clear()
+                batch, feed.pending = feed.pending, []
+                yield batch
+        finally:
+            self._feeds.pop(subscriber, None)
+            for leg_id in list(feed.legs):
+                self.abort(leg_id)
+
+    def start(self, subscriber: str, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
+        """Pump one request's chunks into its subscriber's feed."""
+        if leg_id in self._legs:
+            raise ValueError(f"request id {leg_id} is already being decoded here")
+        feed = self._feeds.setdefault(subscriber, _Feed())  # the feed may open just after
+        feed.legs.add(leg_id)
+        task = asyncio.get_running_loop().create_task(self._pump(feed, leg_id, chunks))
+        self._legs[leg_id] = task
+
+    def abort(self, leg_id: str) -> None:
+        """Stop one request: cancelling its pump closes its engine stream, which aborts it."""
+        task = self._legs.get(leg_id)
+        if task is not None:
+            task.cancel()
+
+    async def _pump(self, feed: _Feed, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
+        try:
+            async for chunk in chunks:
+                feed.put(LegEvent(leg_id, chunk=chunk))
+        except asyncio.CancelledError:
+            pass  # aborted: whoever aborted it is not listening
+        except Exception as exc:  # the request's own failure, for its router to raise
+            feed.put(LegEvent(leg_id, error=exc))
+        finally:
+            feed.legs.discard(leg_id)
+            del self._legs[leg_id]
+            await chunks.aclose()
