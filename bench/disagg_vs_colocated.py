@@ -23,11 +23,11 @@ from pathlib import Path
 import ray
 
 from decode_worker.actor import DecodeActor
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult
 from router.deployment import Deployment, DeploymentConfig
-from router.orchestrator import GenerationResult
 from router.ray_cluster import start_local
 from vllm_engine.config import EngineConfig
-from vllm_engine.requests import GenerateRequest, SamplingConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,13 +48,13 @@ from typing import TYPE_CHECKING
 import grpc
 from tqdm import tqdm
 
+from messages.timings import SLO, ItlStat, LatencySummary, percentile
 from planner.trace import RequestSpec, parse_trace
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.cli import add_client_credential_args, client_credentials
 from router.client import build_request, stream_generate
 from router.security import ClientCredentials
-from router.timings import SLO, ItlStat, Percentiles, percentile
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -140,10 +140,10 @@ class Summary:
     duration_s: float  # first send -> last request done
     throughput_rps: float
     output_tokens_per_s: float
-    ttft_s: Percentiles
-    itl_s: Percentiles  # every token gap of every completed request
-    request_itl_s: Percentiles  # one value per request, the SLO's statistic
-    e2e_s: Percentiles
+    ttft_s: LatencySummary
+    itl_s: LatencySummary  # every token gap of every completed request
+    request_itl_s: LatencySummary  # one value per request, the SLO's statistic
+    e2e_s: LatencySummary
     good: int
     goodput_rps: float
     slo_attainment: float  # good / sent
@@ -205,10 +205,10 @@ def summarize(records: Sequence[RequestRecord], slo: SLO) -> Summary:
         duration_s=duration,
         throughput_rps=len(done) * per_s,
         output_tokens_per_s=sum(len(r.token_times_s) for r in records) * per_s,
-        ttft_s=Percentiles.of([r.token_times_s[0] for r in done]),
-        itl_s=Percentiles.of([g for r in done for g in r.gaps_s]),
-        request_itl_s=Percentiles.of(request_itls),
-        e2e_s=Percentiles.of([r.end_s for r in done]),
+        ttft_s=LatencySummary.of([r.token_times_s[0] for r in done]),
+        itl_s=LatencySummary.of([g for r in done for g in r.gaps_s]),
+        request_itl_s=LatencySummary.of(request_itls),
+        e2e_s=LatencySummary.of([r.end_s for r in done]),
         good=good,
         goodput_rps=good * per_s,
         slo_attainment=good / len(records) if records else 0.0,

@@ -4,7 +4,8 @@ Starts `pdserve serve` (a real router process, 1 prefill + 2 decode actors by de
 streams C concurrent gRPC requests of T tokens through it, and reads the process CPU time
 (user + system) of the router process and of each decode actor before and after. Prints
 CPU milliseconds per streamed token for the router process and for the decode actor
-processes (engine step and serving together).
+processes, and how much of the latter is outside the engine step (the engines' own
+`pdserve_engine_step_cpu_seconds_total`, scraped through `--prometheus-sd-file`).
 
     python -m bench.router_capacity [--streams 16] [--tokens 128] [--rounds 3]
                                     [--worker-niceness 15 0]
@@ -25,15 +26,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import LengthProfile, LoadConfig, run_workload, synthetic_workload
-from router.timings import Percentiles
+from messages.timings import LatencySummary
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +46,8 @@ class Round:
     seconds: float
     router_cpu_s: float
     decode_cpu_s: float
-    itl_s: Percentiles
+    decode_step_cpu_s: float  # of which in engine steps (the engines' own counter)
+    itl_s: LatencySummary
     router_threads_s: dict[str, float]  # router CPU seconds by thread name
 
     @property
@@ -52,6 +57,11 @@ class Round:
     @property
     def decode_ms_per_token(self) -> float:
         return 1e3 * self.decode_cpu_s / self.tokens
+
+    @property
+    def decode_serving_ms_per_token(self) -> float:
+        """Decode actors' CPU outside the engine step: Ray, asyncio, feeds, output objects."""
+        return 1e3 * (self.decode_cpu_s - self.decode_step_cpu_s) / self.tokens
 
 
 def _free_port() -> int:
@@ -105,7 +115,7 @@ async def _wait_ready(target: str, timeout_s: float) -> None:
             await asyncio.sleep(1)
 
 
-async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float, Percentiles]:
+async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float, LatencySummary]:
     specs = synthetic_workload(1e6, config.num_requests, config.profile, seed)  # all at once
     async with grpc.aio.insecure_channel(target) as channel:
         started = time.perf_counter()
@@ -126,6 +136,9 @@ class _Server:
         command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill)]
         command += ["--decode", str(args.decode), "--listen", self.target, "--metrics-port", "0"]
         command += ["--max-num-seqs", str(max(16, args.streams))]
+        self._sd_dir = tempfile.TemporaryDirectory(prefix="router-capacity-")
+        self.sd_file = Path(self._sd_dir.name) / "workers.json"
+        command += ["--prometheus-sd-file", str(self.sd_file)]
         env = dict(os.environ) | ({"RAY_worker_niceness": niceness} if niceness is not None else {})
         print(f"starting pdserve serve ({args.prefill}P + {args.decode}D, {self.label}) ...", file=sys.stderr)
         self.process = subprocess.Popen(
@@ -143,11 +156,24 @@ class _Server:
         asyncio.run(_round(self.target, config, seed=1000))  # warm: handshakes, first steps
 
     def round(self, config: LoadConfig, seed: int) -> Round:
-        before = (_cpu_s([self.router]), _cpu_s(self.decode), _cpu_by_thread(self.router))
+        before = (_cpu_s([self.router]), _cpu_s(self.decode), self._step_cpu_s(), _cpu_by_thread(self.router))
         tokens, seconds, itl = asyncio.run(_round(self.target, config, seed))
-        after = (_cpu_s([self.router]), _cpu_s(self.decode), _cpu_by_thread(self.router))
-        threads = {name: t - before[2].get(name, 0.0) for name, t in after[2].items()}
-        return Round(tokens, seconds, after[0] - before[0], after[1] - before[1], itl, threads)
+        after = (_cpu_s([self.router]), _cpu_s(self.decode), self._step_cpu_s(), _cpu_by_thread(self.router))
+        threads = {name: t - before[3].get(name, 0.0) for name, t in after[3].items()}
+        deltas = [a - b for a, b in zip(after[:3], before[:3])]
+        return Round(tokens, seconds, *deltas, itl, threads)
+
+    def _step_cpu_s(self) -> float:
+        """The decode engines' step CPU, scraped from the workers' metrics endpoints."""
+        total = 0.0
+        for group in json.loads(self.sd_file.read_text()):
+            if group["labels"]["role"] != "decode":
+                continue
+            text = httpx.get(f"http://{group['targets'][0]}/metrics", timeout=10).text
+            for family in text_string_to_metric_families(text):
+                if family.name == "pdserve_engine_step_cpu_seconds":
+                    total += sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
+        return total
 
     def stop(self) -> None:
         os.killpg(self.process.pid, signal.SIGINT)  # serve shuts its cluster down
@@ -155,6 +181,7 @@ class _Server:
             self.process.wait(60)
         except subprocess.TimeoutExpired:
             os.killpg(self.process.pid, signal.SIGKILL)
+        self._sd_dir.cleanup()
 
 
 def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
@@ -194,7 +221,10 @@ def _print_summary(rounds: list[Round]) -> None:
         f"  router CPU per streamed token:        {median.router_ms_per_token:.3f} ms "
         f"(median; best {best.router_ms_per_token:.3f})"
     )
-    print(f"  decode actors' CPU per streamed token: {median.decode_ms_per_token:.3f} ms (engine step included)")
+    print(
+        f"  decode actors' CPU per streamed token: {median.decode_ms_per_token:.3f} ms, of which outside the "
+        f"engine step {median.decode_serving_ms_per_token:.3f} ms"
+    )
     print(f"  tokens/s through the router:          {median.tokens / median.seconds:.0f}")
     print(f"  inter-token p50 / p99:                {1e3 * median.itl_s.p50:.1f} / {1e3 * median.itl_s.p99:.1f} ms")
     print(f"  one router core carries about:        {1e3 / median.router_ms_per_token:,.0f} tokens/s")

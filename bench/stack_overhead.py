@@ -21,13 +21,13 @@ from pathlib import Path
 
 import grpc
 
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult
 from router.client import build_request, stream_generate
 from router.deployment import Deployment, DeploymentConfig
-from router.orchestrator import GenerationResult
 from router.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
-from vllm_engine.requests import GenerateRequest, SamplingConfig
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from vllm_engine.requests import LegEvent, TokenChunk
+from messages.results import LegEvent, TokenChunk
 
 
 @dataclass(slots=True)

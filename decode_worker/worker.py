@@ -16,25 +16,23 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from decode_worker.feed import FeedHub
-
 from kv_transfer.connector_config import (
     Role,
     SideChannel,
     TransferConfig,
     engine_id_for,
 )
-from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
+from messages.errors import TransferFailedError
+from messages.requests import GenerateRequest
+from messages.results import LegEvent, TokenChunk
+from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
-from vllm_engine.requests import GenerateRequest, LegEvent, TokenChunk
+from vllm_engine.sampling import sampling_params
 from vllm_engine.worker_base import EngineWorker
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-
-
-class TransferFailedError(RuntimeError):
-    """Decode could not load the request's state from its producer."""
 
 
 class DecodeWorker(EngineWorker):
@@ -102,7 +100,7 @@ class DecodeWorker(EngineWorker):
                 raise ValueError(f"{self.name} is a colocated engine and cannot load transferred state")
             handle.check_usable(self._transfer.handle_margin_s)
             extra_args = {"kv_transfer_params": handle.connector_params}
-        params = request.sampling.to_vllm(output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
+        params = sampling_params(request.sampling, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         return self._stream(request, handle, params)
 
     async def _stream(

@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Sequence
 
+from messages.reports import EngineCapacity
+from messages.transfer import TransferBytes
+
 
 class GroupKind(str, Enum):
     ATTENTION = "attention"
@@ -28,16 +31,6 @@ class CacheGroup:
     # over NIXL: the real content, not the padding vLLM adds to unify page sizes.
     bytes_per_block_per_layer: int
     block_size: int  # tokens per block (attention); 0 for state groups
-
-
-@dataclass(frozen=True, slots=True)
-class TransferBytes:
-    attention_kv: int
-    deltanet_state: int
-
-    @property
-    def total(self) -> int:
-        return self.attention_kv + self.deltanet_state
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,21 +125,3 @@ class StateLayout:
         return TransferBytes(per_kind[GroupKind.ATTENTION], per_kind[GroupKind.DELTANET])
 
 
-@dataclass(frozen=True, slots=True)
-class EngineCapacity:
-    """Reported by each engine at start-up (per rank pool; every rank holds the same blocks)."""
-
-    kv_blocks: int  # blocks in the pool, shared by attention blocks and DeltaNet state slots
-    deltanet_state_slots: int  # 0 for attention-only models
-    blocks_per_max_length_request: int
-    max_concurrent_max_length_requests: int  # also bounded by max_num_seqs
-    max_num_seqs: int  # the engine's batch limit
-    max_model_len: int
-    tensor_parallel_size: int
-
-    def summary(self) -> str:
-        return (
-            f"TP {self.tensor_parallel_size}, {self.kv_blocks:,} KV blocks (shared with DeltaNet state slots), "
-            f"{self.blocks_per_max_length_request} per {self.max_model_len:,}-token request: "
-            f"{self.max_concurrent_max_length_requests} concurrent max-length requests"
-        )

@@ -34,13 +34,13 @@ import grpc
 import psutil
 import ray
 
+from messages.requests import GenerateRequest, SamplingConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
 from router.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import join, start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
-from vllm_engine.requests import GenerateRequest, SamplingConfig
 
 # Decode throughput that grows by less than this from one batch size to the next has
 # stopped scaling: the engine is compute-bound there.

@@ -41,8 +41,8 @@ from typing import Literal
 
 import numpy as np
 
+from messages.timings import SLO, LatencySummary
 from planner.model import DecodeCost, PerformanceModel, PrefillCost
-from router.timings import SLO, Percentiles
 
 DEFAULT_TOKEN_BUDGET = 8192  # vLLM's usual max_num_batched_tokens when serving on large GPUs
 DEFAULT_BATCH_LIMIT = 64
@@ -147,9 +147,9 @@ class Summary:
     duration_s: float  # first arrival -> last token
     throughput_rps: float
     output_tokens_per_s: float
-    ttft_s: Percentiles
-    tpot_s: Percentiles  # per request mean inter-token time
-    e2e_s: Percentiles
+    ttft_s: LatencySummary
+    tpot_s: LatencySummary  # per request mean inter-token time
+    e2e_s: LatencySummary
     peak_batch: int
     attainment: float  # fraction meeting both SLOs
     goodput_rps: float  # requests meeting both SLOs per second of the run
@@ -194,9 +194,9 @@ class Timeline:
             duration_s=duration,
             throughput_rps=len(self.arrival) / duration,
             output_tokens_per_s=float(self.output_tokens.sum()) / duration,
-            ttft_s=Percentiles.of(self.ttft),
-            tpot_s=Percentiles.of(self.tpot),
-            e2e_s=Percentiles.of(self.e2e),
+            ttft_s=LatencySummary.of(self.ttft),
+            tpot_s=LatencySummary.of(self.tpot),
+            e2e_s=LatencySummary.of(self.e2e),
             peak_batch=self.peak_batch,
             attainment=good / len(self.arrival),
             goodput_rps=good / duration,

@@ -1,5 +1,5 @@
 """Prefill role: one vLLM engine as KV producer. Runs prompts, hands out transfer handles."""
 
-from prefill_worker.worker import PrefillResult, PrefillWorker
+from prefill_worker.worker import PrefillWorker
 
-__all__ = ["PrefillResult", "PrefillWorker"]
+__all__ = ["PrefillWorker"]

@@ -10,7 +10,6 @@ the real first token, so we sample it greedily and drop it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 from kv_transfer.connector_config import (
@@ -19,21 +18,14 @@ from kv_transfer.connector_config import (
     TransferConfig,
     engine_id_for,
 )
-from kv_transfer.handle import TransferHandle
 from kv_transfer.metrics import LEASES_GRANTED, TransferStatLogger
+from messages.errors import PrefillFailedError
+from messages.requests import GenerateRequest
+from messages.results import PrefillResult
+from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
-from vllm_engine.requests import GenerateRequest
+from vllm_engine.sampling import sampling_params
 from vllm_engine.worker_base import EngineWorker
-
-
-class PrefillFailedError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillResult:
-    handle: TransferHandle
-    prefill_s: float  # from arrival at this worker to the blocks being ready
 
 
 class PrefillWorker(EngineWorker):
@@ -59,7 +51,8 @@ class PrefillWorker(EngineWorker):
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
         request.validate(self.limits)
         started = time.perf_counter()
-        params = request.sampling.to_vllm(
+        params = sampling_params(
+            request.sampling,
             max_tokens=1,
             temperature=0.0,
             stop=[],

@@ -17,26 +17,13 @@ from collections import deque
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
+from messages.errors import DrainingError, OverloadedError
+
 
 @dataclass(frozen=True, slots=True)
 class AdmissionLimits:
     max_in_flight: int  # requests between admission and their final message
     max_queue: int  # requests waiting for a slot (FIFO); past this they are refused
-
-
-class OverloadedError(RuntimeError):
-    """Refused: every slot is taken and the wait queue is full (RESOURCE_EXHAUSTED)."""
-
-    def __init__(self, limits: AdmissionLimits, retry_after_s: float) -> None:
-        super().__init__(
-            f"overloaded: {limits.max_in_flight} requests in flight and {limits.max_queue} waiting; "
-            f"retry in {retry_after_s:.2f}s"
-        )
-        self.retry_after_s = retry_after_s
-
-
-class DrainingError(RuntimeError):
-    """Refused: the server is shutting down and finishing the requests it has (UNAVAILABLE)."""
 
 
 class AdmissionController:
@@ -87,7 +74,12 @@ class AdmissionController:
             self._take()
             return
         if len(self._waiters) >= limits.max_queue:
-            raise OverloadedError(limits, self._retry_after_s(limits))
+            retry_after_s = self._retry_after_s(limits)
+            raise OverloadedError(
+                f"overloaded: {limits.max_in_flight} requests in flight and {limits.max_queue} waiting; "
+                f"retry in {retry_after_s:.2f}s",
+                retry_after_s,
+            )
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(slot)
         self._idle.clear()

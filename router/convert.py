@@ -7,14 +7,10 @@ import re
 import uuid
 from typing import Callable
 
+from messages.errors import InvalidRequestError
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult, TokenChunk
 from proto.pdserve.v1 import generate_pb2 as pb
-from router.orchestrator import GenerationResult
-from vllm_engine.requests import (
-    GenerateRequest,
-    InvalidRequestError,
-    SamplingConfig,
-    TokenChunk,
-)
 
 DEFAULT_MAX_TOKENS = 64
 # A client's request id is shown back to it and written to logs, never used inside engines.
@@ -81,11 +77,11 @@ def encode_final(request_id: str, result: GenerationResult) -> pb.GenerateRespon
                 transfer_s=t.transfer_s,
                 ttft_s=t.ttft_s,
                 inter_token=pb.LatencySummary(
-                    mean_s=t.inter_token.mean_s,
-                    p50_s=t.inter_token.p50_s,
-                    p90_s=t.inter_token.p90_s,
-                    p99_s=t.inter_token.p99_s,
-                    max_s=t.inter_token.max_s,
+                    mean_s=t.inter_token.mean or 0.0,
+                    p50_s=t.inter_token.p50 or 0.0,
+                    p90_s=t.inter_token.p90 or 0.0,
+                    p99_s=t.inter_token.p99 or 0.0,
+                    max_s=t.inter_token.max or 0.0,
                 ),
                 e2e_s=t.e2e_s,
                 decode_tokens_per_s=t.decode_tokens_per_s,

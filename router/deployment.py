@@ -20,13 +20,13 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker.actor import DecodeActor
 from kv_transfer.connector_config import TransferConfig
-from kv_transfer.layout import EngineCapacity
+from messages.reports import EngineCapacity
+from messages.requests import ModelLimits
 from prefill_worker.actor import PrefillActor
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.pools import Member, Pool
 from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
-from vllm_engine.requests import ModelLimits
 
 log = logging.getLogger(__name__)
 

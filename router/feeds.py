@@ -10,7 +10,7 @@ from typing import Any
 
 import ray
 
-from vllm_engine.requests import LegEvent
+from messages.results import LegEvent
 
 log = logging.getLogger(__name__)
 

@@ -24,12 +24,13 @@ from typing import Any, AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from router.admission import AdmissionController, DrainingError, OverloadedError
+from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult, TokenChunk
+from router.admission import AdmissionController
 from router.metrics import REQUESTS
-from router.orchestrator import GenerationResult, Orchestrator
+from router.orchestrator import Orchestrator
 from router.security import Role, TokenTable
-from router.server import _UNAVAILABLE
-from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig, TokenChunk
 
 log = logging.getLogger(__name__)
 
@@ -213,9 +214,9 @@ class OpenAIFront:
                 yield event
         except InvalidRequestError as err:
             raise HTTPError(400, str(err), "invalid_request_error", err.field) from None
-        except tuple(_UNAVAILABLE) as err:
+        except tuple(UNAVAILABLE) as err:
             log.warning("request %s: %s", request.request_id, err)
-            message = next(text for kind, text in _UNAVAILABLE.items() if isinstance(err, kind))
+            message = next(text for kind, text in UNAVAILABLE.items() if isinstance(err, kind))
             raise HTTPError(503, message, "service_unavailable") from None
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -240,8 +241,8 @@ def _timings(result: GenerationResult) -> dict[str, Any]:
     t = result.timings
     return {
         **{k: v for k, v in asdict(t).items() if k not in ("inter_token", "transfer_bytes")},
-        "inter_token_p50_s": t.inter_token.p50_s,
-        "inter_token_p99_s": t.inter_token.p99_s,
+        "inter_token_p50_s": t.inter_token.p50,
+        "inter_token_p99_s": t.inter_token.p99,
         "attention_kv_bytes": t.transfer_bytes.attention_kv,
         "deltanet_state_bytes": t.transfer_bytes.deltanet_state,
         "prefill_worker": result.prefill_worker,

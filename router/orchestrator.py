@@ -20,19 +20,14 @@ from typing import AsyncIterator, Literal
 import ray
 from ray.exceptions import RayActorError
 
-from kv_transfer.handle import TransferHandle
-from kv_transfer.layout import TransferBytes
-from prefill_worker.worker import PrefillResult
+from messages.errors import DecodeFailedError, NoWorkerError, PrefillTimeoutError
+from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
+from messages.results import GenerationResult, PrefillResult, TokenChunk
+from messages.timings import LatencySummary, PhaseTimings
+from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
-from router.pools import Member, NoWorkerError, Pool
-from router.timings import LatencySummary, PhaseTimings
-from vllm_engine.requests import (
-    GenerateRequest,
-    ModelLimits,
-    SamplingConfig,
-    TokenChunk,
-)
+from router.pools import Member, Pool
 
 log = logging.getLogger(__name__)
 
@@ -56,25 +51,6 @@ class RouterPolicy:
     prefill_timeout_s: float = 300.0
     stall_timeout_s: float = 120.0
     release_timeout_s: float = 5.0
-
-
-class DecodeFailedError(RuntimeError):
-    """The decode actor serving a request died (or stalled) and the policy says not to resume."""
-
-
-class PrefillTimeoutError(RuntimeError):
-    """A prefill actor did not finish a prefill within the policy's bound."""
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationResult:
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    timings: PhaseTimings
-    prefill_worker: str
-    decode_worker: str
-    migrations: int = 0
 
 
 @dataclass(slots=True)

@@ -12,8 +12,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
-from kv_transfer.layout import EngineCapacity
-from vllm_engine.engine import EngineLoad
+from messages.errors import NoWorkerError
+from messages.reports import EngineCapacity, EngineLoad
 
 
 @dataclass(slots=True)
@@ -106,7 +106,3 @@ class Pool:
                 member.engine_id = load.engine_id
                 joining.append(member)
         return joining
-
-
-class NoWorkerError(RuntimeError):
-    pass

@@ -13,38 +13,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from ray.exceptions import RayActorError
 
-from decode_worker.worker import TransferFailedError
-from kv_transfer.handle import HandleExpiredError
-from prefill_worker.worker import PrefillFailedError
+from messages.errors import OverloadedError, client_status
+from messages.results import GenerationResult
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
-from router.admission import AdmissionController, AdmissionLimits, DrainingError, OverloadedError
+from router.admission import AdmissionController, AdmissionLimits
 from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
-from router.orchestrator import DecodeFailedError, GenerationResult, Orchestrator, PrefillTimeoutError
-from router.pools import NoWorkerError
+from router.orchestrator import Orchestrator
 from router.prometheus_targets import write_targets
 from router.security import AuthInterceptor, ServerTLS, TokenTable
-from vllm_engine.requests import InvalidRequestError
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 # Per-pool health (the overall status stays SERVING while decode engines can prefill locally).
 PREFILL_HEALTH, DECODE_HEALTH = f"{SERVICE_NAME}/prefill", f"{SERVICE_NAME}/decode"
-# What each known failure tells the client (never a remote traceback or node address).
-_UNAVAILABLE: dict[type[BaseException], str] = {
-    NoWorkerError: "no live engine for this request: retry shortly",
-    TransferFailedError: "decode could not load the request's state from prefill: retry",
-    HandleExpiredError: "the prefilled state expired before decode read it: retry",
-    PrefillFailedError: "prefill failed: retry",
-    PrefillTimeoutError: "prefill timed out: retry",
-    DecodeFailedError: "the decode engine serving this request failed: retry",
-    RayActorError: "an engine serving this request died: retry",
-    DrainingError: "this router is shutting down: retry on another",
-}
 # gRPC's standard trailer for how long a client should wait before retrying.
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
@@ -90,19 +75,17 @@ class GenerationService(pb_grpc.GenerationServicer):
                         yield encode_final(generate_request.request_id, event)
                     else:
                         yield encode_chunk(event)
-        except InvalidRequestError as err:
-            refusal = (grpc.StatusCode.INVALID_ARGUMENT, str(err), "invalid_argument")
-        except OverloadedError as err:
-            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(int(err.retry_after_s * 1000))),))
-            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(err), "resource_exhausted")
-        except tuple(_UNAVAILABLE) as err:
-            message = next(text for kind, text in _UNAVAILABLE.items() if isinstance(err, kind))
-            log.warning("request %s: %s", request.request_id, err)
-            refusal = (grpc.StatusCode.UNAVAILABLE, message, "unavailable")
-        except Exception:
-            log.exception("request %s failed", request.request_id or "(no client id)")
-            message = f"internal error serving request {request.request_id or '(no id)'}; the router's log has details"
-            refusal = (grpc.StatusCode.INTERNAL, message, "internal")
+        except Exception as err:
+            status = client_status(err)
+            if status is None:
+                log.exception("request %s failed", request.request_id or "(no client id)")
+                message = f"internal error serving request {request.request_id or '(no id)'}; the router's log has details"
+                status = (grpc.StatusCode.INTERNAL, message)
+            elif status[0] == grpc.StatusCode.UNAVAILABLE:
+                log.warning("request %s: %s", request.request_id, err)
+            elif isinstance(err, OverloadedError):
+                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(int(err.retry_after_s * 1000))),))
+            refusal = (*status, status[0].name.lower())
         if refusal is not None:
             code, message, outcome = refusal
             REQUESTS.labels(outcome).inc()

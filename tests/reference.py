@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from router.orchestrator import GenerationResult
-from vllm_engine.requests import GenerateRequest, SamplingConfig
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult
 
 MAX_TOKENS = 24
 # bf16 greedy decoding: where the reference's top two candidates are closer than this,

@@ -25,10 +25,9 @@ from reference import (
     prompt_of,
 )
 
-from decode_worker import TransferFailedError
 from kv_transfer.connector_config import TransferConfig
-from kv_transfer.handle import HandleExpiredError
-from vllm_engine.requests import GenerateRequest, InvalidRequestError, SamplingConfig
+from messages.errors import HandleExpiredError, InvalidRequestError, TransferFailedError
+from messages.requests import GenerateRequest, SamplingConfig
 
 LEASE_S = 6
 

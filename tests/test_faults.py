@@ -11,8 +11,8 @@ import ray
 from conftest import assert_no_blocks_held, run, wait_until
 from reference import MAX_TOKENS, assert_matches, collect, decode_tokens, make_request
 
-from decode_worker import TransferFailedError
 from kv_transfer.connector_config import TransferConfig
+from messages.errors import TransferFailedError
 from router.deployment import Deployment, DeploymentConfig
 from router.orchestrator import RouterPolicy
 

@@ -180,6 +180,7 @@ def test_metrics_show_every_phase_and_the_transfer(stack):
     assert decode["pdserve_nixl_transfer_seconds_count[]"] >= 1
     assert decode["pdserve_nixl_transfer_bytes_sum[]"] > 0
     assert decode["pdserve_transfer_state_bytes_total[('kind', 'deltanet_state')]"] > 0
+    assert decode["pdserve_engine_step_cpu_seconds_total[]"] > 0  # what serving costs beside it
     prefill = _scrape(ray.get(dep.prefill.members[0].actor.metrics_address.remote()))
     assert prefill["pdserve_leases_granted_total[]"] >= 1
 

@@ -20,3 +20,15 @@ def test_product_packages_never_import_bench():
 def test_sizing_imports_no_heavy_packages():
     """`pdserve plan` answers from config.json alone: no vLLM, torch or Ray."""
     assert not packages_loaded_by("vllm_engine.sizing") & {"vllm", "torch", "ray"}
+
+
+def test_messages_import_no_engine_or_cluster_packages():
+    """Every process shares the messages; none should pay for vLLM, torch or Ray to name one."""
+    loaded = packages_loaded_by(
+        "messages.requests, messages.results, messages.reports, messages.transfer, messages.timings, messages.errors"
+    )
+    assert not loaded & {"vllm", "torch", "ray", "numpy"}, loaded
+
+
+def test_the_routers_request_path_imports_no_vllm():
+    assert not packages_loaded_by("router.server, router.orchestrator, router.openai_http") & {"vllm", "torch"}

@@ -29,8 +29,8 @@ from bench.loadgen import (
     summarize,
     synthetic_workload,
 )
+from messages.timings import SLO, percentile
 from planner.trace import RequestSpec
-from router.timings import SLO, Percentiles, percentile
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -281,12 +281,17 @@ def _has_matplotlib() -> bool:
 
 
 def test_router_and_load_generator_share_one_percentile_definition():
-    """A stream's final message (router) and the load generator report the same p99 of the
-    same gaps."""
-    from router.timings import LatencySummary
+    """A stream's final message (as the router encodes it) and the load generator's report
+    give the same p50/p90/p99 of the same token gaps."""
+    from messages.results import GenerationResult
+    from router.convert import encode_final
+    from router.orchestrator import _timings
 
     gaps = [0.010, 0.012, 0.011, 0.250, 0.009, 0.013, 0.010, 0.011, 0.014, 0.012, 0.090]
-    router_view = LatencySummary.of(gaps)
-    client_view = Percentiles.of(gaps)
-    assert (router_view.p50_s, router_view.p90_s, router_view.p99_s) == (client_view.p50, client_view.p90, client_view.p99)
-    assert router_view.p99_s == pytest.approx(0.2340)  # interpolated, not nearest-rank (0.250)
+    times = [0.1 + sum(gaps[:i]) for i in range(len(gaps) + 1)]
+    result = GenerationResult("length", 4, len(times), _timings(0.0, None, 0.0, times), "", "decode-0")
+    final = encode_final("r", result).final.timings.inter_token
+    record = RequestRecord(0, 4, len(times), 0.0, 0.0, tuple(times), times[-1], "length", "")
+    client = summarize([record], DEFAULT_SLO).itl_s
+    assert (final.p50_s, final.p90_s, final.p99_s) == pytest.approx((client.p50, client.p90, client.p99), abs=1e-12)
+    assert client.p99 == pytest.approx(0.2340)  # interpolated, not nearest-rank (0.250)

@@ -2,12 +2,9 @@
 
 import pytest
 
-from vllm_engine.requests import (
-    GenerateRequest,
-    InvalidRequestError,
-    ModelLimits,
-    SamplingConfig,
-)
+from messages.errors import InvalidRequestError
+from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
+from vllm_engine.sampling import sampling_params
 
 LIMITS = ModelLimits(max_model_len=128, vocab_size=100)
 
@@ -49,5 +46,5 @@ def test_minimum_prompt_length_of_the_model_is_enforced():
 def test_valid_request_passes_and_maps_to_vllm():
     request = GenerateRequest("r", (1, 2, 3), SamplingConfig(max_tokens=8, top_k=0, stop=("x",)))
     request.validate(LIMITS)
-    params = request.sampling.to_vllm()
+    params = sampling_params(request.sampling)
     assert params.max_tokens == 8 and params.top_k in (-1, 0) and params.stop == ["x"]

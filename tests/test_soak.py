@@ -13,12 +13,11 @@ import pytest
 import ray
 from conftest import assert_no_blocks_held, run, wait_until
 
-from decode_worker import TransferFailedError
 from kv_transfer.connector_config import TransferConfig
+from messages.errors import DecodeFailedError, NoWorkerError, TransferFailedError
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult
 from router.deployment import Deployment, DeploymentConfig
-from router.orchestrator import DecodeFailedError, GenerationResult
-from router.pools import NoWorkerError
-from vllm_engine.requests import GenerateRequest, SamplingConfig
 
 NUM_REQUESTS = 200
 CONCURRENCY = 12

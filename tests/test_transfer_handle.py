@@ -4,8 +4,9 @@ import time
 
 import pytest
 
-from kv_transfer.handle import HandleExpiredError, TransferHandle
-from kv_transfer.layout import CacheGroup, GroupKind, StateLayout, TransferBytes
+from kv_transfer.layout import CacheGroup, GroupKind, StateLayout
+from messages.errors import HandleExpiredError
+from messages.transfer import TransferBytes, TransferHandle
 
 PARAMS = {
     "do_remote_prefill": True,

@@ -14,9 +14,12 @@ from __future__ import annotations
 import uuid
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from messages.errors import EngineDeadError
+from messages.reports import EngineLoad
+from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
-from vllm_engine.requests import ModelLimits, as_invalid_request
+from vllm_engine.engine import prepare_process
+from vllm_engine.sampling import as_invalid_request
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

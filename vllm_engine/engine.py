@@ -12,28 +12,17 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
 
+from messages.reports import EngineLoad
+from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.requests import ModelLimits
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.outputs import RequestOutput
 
     from kv_transfer.layout import StateLayout
-
-
-@dataclass(frozen=True, slots=True)
-class EngineLoad:
-    running: int
-    waiting: int  # queued, including requests waiting for remote KV
-    held_for_transfer: int  # finished on this engine, blocks kept for a peer to read
-    free_blocks: int
-    total_blocks: int
-    engine_id: str = ""  # filled in by the worker that owns the engine
-    metrics_address: str = ""  # the worker's Prometheus endpoint (changes when Ray restarts it)
 
 
 class Engine(Protocol):
@@ -58,10 +47,6 @@ class Engine(Protocol):
         ...
 
     def shutdown(self) -> None: ...
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's loop or process is gone: route nothing more to it."""
 
 
 def start_engine(

@@ -13,13 +13,18 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from messages.errors import EngineDeadError
+from messages.reports import EngineLoad
+from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_threads, parse_cores
-from vllm_engine.engine import EngineDeadError, EngineLoad, prepare_process
-from vllm_engine.requests import ModelLimits, as_invalid_request
+from vllm_engine.engine import prepare_process
+from vllm_engine.metrics import ENGINE_STEP_CPU
+from vllm_engine.sampling import as_invalid_request
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -199,6 +204,7 @@ class EngineLoop:
                 self._sinks[command.request_id] = command.sink
 
     def _step(self) -> None:
+        started = time.thread_time()
         try:
             outputs = self._engine.step()
         except Exception as exc:  # engine failure: every waiting caller must hear of it
@@ -208,6 +214,7 @@ class EngineLoop:
             if self._on_fatal is not None:
                 self._on_fatal(exc)
             raise
+        ENGINE_STEP_CPU.inc(time.thread_time() - started)
         # One wake-up per asyncio loop per step, not one per request: the callers of one
         # step's outputs then all run in the same loop iteration (and the self-pipe write,
         # a syscall, is paid once per step).
@@ -232,7 +239,6 @@ def _pre_aborted(kv_transfer_params: dict[str, Any]) -> Any:
     """A request aborted on arrival that carries a producer's transfer params: the consumer's
     NixlConnector then notifies the producer to free the blocks (vLLM's own mechanism; this
     mirrors AsyncLLM.notify_kv_transfer_request_rejected, which LLMEngine lacks)."""
-    import time
     import uuid
 
     from vllm import SamplingParams

@@ -6,10 +6,11 @@ import os
 from dataclasses import replace
 from typing import Any, Callable
 
-from kv_transfer.layout import EngineCapacity, StateLayout
+from kv_transfer.layout import StateLayout
+from messages.reports import EngineCapacity, EngineLoad
+from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import Engine, EngineLoad, start_engine
-from vllm_engine.requests import ModelLimits
+from vllm_engine.engine import Engine, start_engine
 
 
 class EngineWorker:

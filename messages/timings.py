@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from kv_transfer.layout import TransferBytes
+from messages.transfer import TransferBytes
 
 
 def percentile(values: Sequence[float], q: float, presorted: bool = False) -> float:
@@ -19,20 +19,6 @@ def percentile(values: Sequence[float], q: float, presorted: bool = False) -> fl
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return float(ordered[low] + (ordered[high] - ordered[low]) * (position - low))
-
-
-@dataclass(frozen=True, slots=True)
-class Percentiles:
-    p50: float | None
-    p90: float | None
-    p99: float | None
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> "Percentiles":
-        if not len(values):
-            return cls(None, None, None)
-        ordered = sorted(values)
-        return cls(*(percentile(ordered, q, presorted=True) for q in (50, 90, 99)))
 
 
 ItlStat = Literal["mean", "p90"]
@@ -52,17 +38,20 @@ class SLO:
 
 @dataclass(frozen=True, slots=True)
 class LatencySummary:
-    mean_s: float
-    p50_s: float
-    p90_s: float
-    p99_s: float
-    max_s: float
+    """Mean, p50/p90/p99 and max of some latencies in seconds (None for no samples): one type
+    for a stream's final message, the load generator's report and the simulator's."""
+
+    mean: float | None
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    max: float | None
 
     @classmethod
-    def of(cls, samples: list[float]) -> "LatencySummary":
-        if not samples:
-            return cls(0.0, 0.0, 0.0, 0.0, 0.0)
-        ordered = sorted(samples)
+    def of(cls, samples: Sequence[float]) -> LatencySummary:
+        if not len(samples):
+            return cls(None, None, None, None, None)
+        ordered = sorted(float(x) for x in samples)
         p50, p90, p99 = (percentile(ordered, q, presorted=True) for q in (50, 90, 99))
         return cls(sum(ordered) / len(ordered), p50, p90, p99, ordered[-1])
 

@@ -1,4 +1,5 @@
-"""The typed handle the router carries from the prefill worker to the decode worker."""
+"""The typed handle the router carries from the prefill worker to the decode worker, and
+the bytes a transfer moves."""
 
 from __future__ import annotations
 
@@ -6,11 +7,17 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from kv_transfer.layout import TransferBytes
+from messages.errors import HandleExpiredError
 
 
-class HandleExpiredError(RuntimeError):
-    """The producer's lease on this request's blocks has run out (or nearly so)."""
+@dataclass(frozen=True, slots=True)
+class TransferBytes:
+    attention_kv: int
+    deltanet_state: int
+
+    @property
+    def total(self) -> int:
+        return self.attention_kv + self.deltanet_state
 
 
 @dataclass(frozen=True, slots=True)

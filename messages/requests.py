@@ -1,41 +1,18 @@
-"""Typed request and output messages shared by the router and both worker roles."""
+"""What a client asks for: the request, its sampling settings and their validation against
+the model's limits."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from vllm import SamplingParams
-
-
-class InvalidRequestError(ValueError):
-    """A request field is out of range; `field` names it (mapped to INVALID_ARGUMENT)."""
-
-    def __init__(self, field_name: str, message: str) -> None:
-        super().__init__(f"{field_name}: {message}")
-        self.field = field_name
-        self.message = message
-
-    def __reduce__(self):  # crosses Ray process boundaries intact
-        return (type(self), (self.field, self.message))
-
+from messages.errors import InvalidRequestError
 
 # Caps on what one request may ask of an engine: vLLM checks every stop string on every
 # token, on the engine thread that serves the whole batch.
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
-
-
-def as_invalid_request(exc: Exception) -> Exception:
-    """vLLM's validation errors as ours (INVALID_ARGUMENT naming the field); others unchanged."""
-    from vllm.exceptions import VLLMValidationError
-
-    if isinstance(exc, VLLMValidationError):
-        return InvalidRequestError(exc.parameter or "request", str(exc))
-    return exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,26 +61,6 @@ class SamplingConfig:
                 "stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
             )
 
-    def to_vllm(self, **overrides: Any) -> "SamplingParams":
-        from vllm import SamplingParams
-
-        fields: dict[str, Any] = dict(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else -1,
-            seed=self.seed,
-            stop=list(self.stop),
-            stop_token_ids=list(self.stop_token_ids),
-            ignore_eos=self.ignore_eos,
-            logprobs=self.logprobs or None,
-        )
-        fields.update(overrides)
-        try:
-            return SamplingParams(**fields)
-        except Exception as exc:  # vLLM's own checks, should ours miss one
-            raise as_invalid_request(exc) from None
-
 
 @dataclass(frozen=True, slots=True)
 class GenerateRequest:
@@ -132,7 +89,6 @@ class GenerateRequest:
                 f"maximum length {limits.max_model_len}: shorten the prompt or lower max_tokens",
             )
 
-
     def continued(self, generated: tuple[int, ...]) -> "GenerateRequest":
         """This request resumed elsewhere after `generated` tokens were already streamed."""
         return replace(
@@ -140,25 +96,3 @@ class GenerateRequest:
             prompt_token_ids=self.prompt_token_ids + generated,
             sampling=replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated)),
         )
-
-
-@dataclass(frozen=True, slots=True)
-class TokenChunk:
-    """New tokens of one request since the previous chunk."""
-
-    token_ids: tuple[int, ...]
-    text: str
-    finish_reason: str | None = None  # "stop", "length", "abort" on the last chunk
-    # Per token, when requested: top alternatives as (token id, logprob), best first.
-    logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
-    produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
-
-
-@dataclass(frozen=True, slots=True)
-class LegEvent:
-    """One request's news in a decode feed's batch: its new tokens, or the error that ended
-    it. `leg_id` is the id the engine serves the request under."""
-
-    leg_id: str
-    chunk: TokenChunk | None = None
-    error: BaseException | None = None

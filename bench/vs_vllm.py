@@ -1,0 +1,248 @@
+"""pdserve against the stack a user would pick instead: stock vLLM OpenAI servers, one per core.
+
+Same machine, same model (the embedded one unless --model), same cores, same open-loop
+workload, all driven by vLLM's own serving benchmark (`vllm bench serve`, over HTTP):
+- stock vLLM: one `vllm.entrypoints.openai.api_server` per core (pinned with
+  VLLM_CPU_OMP_THREADS_BIND, its defaults otherwise), each fed half of the Poisson stream
+  (a random split of a Poisson stream is two Poisson streams at half the rate);
+- pdserve colocated: `pdserve serve --prefill 0 --decode 2 --http ...`;
+- pdserve 1P+1D: `pdserve serve --prefill 1 --decode 1 --http ...`.
+The systems run one after another (each needs both cores), every rate on each. Requests are
+judged by one SLO (TTFT and a request's p90 inter-token gap, as the issue defines it) with
+pdserve's percentile definition, from the benchmark's per-request records.
+
+    python -m bench.vs_vllm [--rates 1 3 5 7] [--requests 40] [--input-len 1024] [--output-len 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from messages.timings import SLO, LatencySummary, percentile
+from vllm_engine.config import EMBEDDED_MODEL, resolve_model
+
+MODEL_NAME = "bench"
+# The issue's SLO: TTFT <= 1 s and a request's p90 inter-token gap <= 50 ms.
+DEFAULT_SLO = SLO(ttft_s=1.0, itl_s=0.050, itl_stat="p90")
+
+
+@dataclass(frozen=True, slots=True)
+class RatePoint:
+    system: str
+    rate: float
+    sent: int
+    completed: int
+    ttft_s: LatencySummary
+    tpot_s: LatencySummary  # per request mean inter-token time
+    itl_s: LatencySummary  # every gap of every request
+    goodput_rps: float
+    slo_attainment: float
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _System:
+    """Server processes behind one or more base URLs; stopped with their whole session."""
+
+    def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str], str]]) -> None:
+        self.name = name
+        self.urls = [url for _, _, url in commands]
+        prefix = f"vs-vllm-{name.replace(' ', '-')}-"
+        self._log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
+        print(f"starting {name} (log: {self._log.name}) ...", file=sys.stderr)
+        self._processes = [
+            subprocess.Popen(
+                command, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            for command, env, _ in commands
+        ]
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        for url in self.urls:
+            while True:
+                if any(p.poll() is not None for p in self._processes):
+                    raise RuntimeError(f"{self.name} exited during start-up: see {self._log.name}")
+                try:
+                    if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not ready in {timeout_s:.0f}s: see {self._log.name}")
+                time.sleep(1)
+
+    def stop(self) -> None:
+        for p in self._processes:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGINT)
+        for p in self._processes:
+            try:
+                p.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
+def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int) -> _System:
+    commands = []
+    for core in cores:
+        port = _free_port()
+        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        command += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
+        command += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_PLUGINS": ""}  # stock: no pdserve plugin
+        commands.append((command, env, f"http://127.0.0.1:{port}"))
+    return _System(f"stock vLLM x{len(cores)}", commands)
+
+
+def pdserve(model: str, prefill: int, decode: int) -> _System:
+    port = _free_port()
+    command = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--prefill", str(prefill)]
+    command += ["--decode", str(decode), "--listen", f"127.0.0.1:{_free_port()}", "--metrics-port", "0"]
+    command += ["--http", f"127.0.0.1:{port}", "--served-model-name", MODEL_NAME]
+    name = "pdserve colocated" if prefill == 0 else f"pdserve {prefill}P+{decode}D"
+    return _System(name, [(command, {}, f"http://127.0.0.1:{port}")])
+
+
+def _bench(urls: list[str], model: str, rate: float, args: argparse.Namespace, out_dir: Path) -> list[dict]:
+    """`vllm bench serve` against each URL at rate/len(urls), concurrently; per-request records."""
+    runs = []
+    for i, url in enumerate(urls):
+        result = out_dir / f"r{rate}-{i}.json"
+        command = [sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai", "--base-url", url]
+        command += ["--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", model]
+        command += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+        command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--ignore-eos"]
+        command += ["--num-prompts", str(max(1, args.requests // len(urls))), "--request-rate", str(rate / len(urls))]
+        command += ["--seed", str(args.seed + i), "--save-result", "--save-detailed", "--disable-tqdm"]
+        command += ["--result-dir", str(out_dir), "--result-filename", result.name]
+        runs.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), result))
+    records = []
+    for process, result in runs:
+        _, err = process.communicate()
+        if process.returncode != 0:
+            raise RuntimeError(f"vllm bench serve failed:\n{err[-2000:]}")
+        data = json.loads(result.read_text())
+        for ttft, itl, start, latency, error in zip(
+            data["ttfts"], data["itls"], data["start_times"], data["latencies"], data["errors"]
+        ):
+            records.append({"ttft": ttft, "itl": itl, "start": start, "end": start + latency, "error": error})
+    return records
+
+
+def judge(system: str, rate: float, records: list[dict], output_len: int, slo: SLO) -> RatePoint:
+    done = [r for r in records if not r["error"] and len(r["itl"]) == output_len - 1]
+    good = [
+        r for r in done if r["ttft"] <= slo.ttft_s and (not r["itl"] or percentile(r["itl"], 90) <= slo.itl_s)
+    ]
+    duration = max(r["end"] for r in records) - min(r["start"] for r in records)
+    return RatePoint(
+        system,
+        rate,
+        len(records),
+        len(done),
+        LatencySummary.of([r["ttft"] for r in done]),
+        LatencySummary.of([sum(r["itl"]) / len(r["itl"]) for r in done if r["itl"]]),
+        LatencySummary.of([g for r in done for g in r["itl"]]),
+        len(good) / duration,
+        len(good) / len(records),
+    )
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{1e3 * value:.1f}"
+
+
+def print_table(points: list[RatePoint], systems: list[str]) -> None:
+    print("\n| rate | system | TTFT p50 / p99 ms | TPOT p50 ms | ITL p99 ms | goodput req/s | in SLO |")
+    print("|---|---|---|---|---|---|---|")
+    for p in points:
+        print(
+            f"| {p.rate:g} | {p.system} | {_ms(p.ttft_s.p50)} / {_ms(p.ttft_s.p99)} | {_ms(p.tpot_s.p50)} | "
+            f"{_ms(p.itl_s.p99)} | {p.goodput_rps:.2f} | {100 * p.slo_attainment:.0f}% |"
+        )
+    base = systems[0]
+    print(f"\nratios against {base} (goodput; TPOT p50):")
+    for rate in sorted({p.rate for p in points}):
+        row = {p.system: p for p in points if p.rate == rate}
+        if base not in row:
+            continue
+        cells = []
+        for name in systems[1:]:
+            if name in row:
+                b, o = row[base], row[name]
+                good = o.goodput_rps / b.goodput_rps if b.goodput_rps else float("nan")
+                tpot = o.tpot_s.p50 / b.tpot_s.p50 if o.tpot_s.p50 and b.tpot_s.p50 else float("nan")
+                cells.append(f"{name}: {good:.2f}x goodput, {tpot:.2f}x TPOT")
+        print(f"  {rate:g} req/s: " + "; ".join(cells))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=EMBEDDED_MODEL)
+    parser.add_argument("--rates", type=float, nargs="+", default=[1, 3, 5, 7])
+    parser.add_argument("--requests", type=int, default=40, help="per rate and system")
+    parser.add_argument("--input-len", type=int, default=1024)
+    parser.add_argument("--output-len", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--kv-cache-bytes", type=int, default=256 << 20, help="stock servers' KV cache (pdserve's CPU default)"
+    )
+    systems = ["stock", "colocated", "1p1d"]
+    parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
+    parser.add_argument("--json", type=Path, help="write every rate point here")
+    args = parser.parse_args(argv)
+    model = resolve_model(args.model)
+    cores = sorted(os.sched_getaffinity(0))[:2]
+    builders = {
+        "stock": lambda: stock_vllm(model, cores, args.kv_cache_bytes),
+        "colocated": lambda: pdserve(args.model, 0, 2),
+        "1p1d": lambda: pdserve(args.model, 1, 1),
+    }
+    points: list[RatePoint] = []
+    names: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="vs-vllm-") as out:
+        for key in args.systems:
+            system = builders[key]()
+            names.append(system.name)
+            try:
+                system.wait_ready(timeout_s=600)
+                _bench(system.urls, model, 1.0, argparse.Namespace(**{**vars(args), "requests": 2}), Path(out))  # warm
+                for rate in args.rates:
+                    records = _bench(system.urls, model, rate, args, Path(out))
+                    point = judge(system.name, rate, records, args.output_len, DEFAULT_SLO)
+                    points.append(point)
+                    print(
+                        f"{system.name} at {rate:g} req/s: goodput {point.goodput_rps:.2f} req/s, "
+                        f"{100 * point.slo_attainment:.0f}% in SLO, TPOT p50 {_ms(point.tpot_s.p50)} ms",
+                        file=sys.stderr,
+                    )
+            finally:
+                system.stop()
+    shape = f"{args.input_len}-token prompts, {args.output_len} output tokens, {args.requests} requests per rate"
+    print(f"\n{shape}, Poisson arrivals; SLO: TTFT <= {DEFAULT_SLO.ttft_s:g} s and a request's p90")
+    print(f"inter-token gap <= {1e3 * DEFAULT_SLO.itl_s:g} ms")
+    print_table(points, names)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(p) for p in points], indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,36 @@
+"""What engines report to the router: their load (polled) and their capacity (at start)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    running: int
+    waiting: int  # queued, including requests waiting for remote KV
+    held_for_transfer: int  # finished on this engine, blocks kept for a peer to read
+    free_blocks: int
+    total_blocks: int
+    engine_id: str = ""  # filled in by the worker that owns the engine
+    metrics_address: str = ""  # the worker's Prometheus endpoint (changes when Ray restarts it)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCapacity:
+    """Reported by each engine at start-up (per rank pool; every rank holds the same blocks)."""
+
+    kv_blocks: int  # blocks in the pool, shared by attention blocks and DeltaNet state slots
+    deltanet_state_slots: int  # 0 for attention-only models
+    blocks_per_max_length_request: int
+    max_concurrent_max_length_requests: int  # also bounded by max_num_seqs
+    max_num_seqs: int  # the engine's batch limit
+    max_model_len: int
+    tensor_parallel_size: int
+
+    def summary(self) -> str:
+        return (
+            f"TP {self.tensor_parallel_size}, {self.kv_blocks:,} KV blocks (shared with DeltaNet state slots), "
+            f"{self.blocks_per_max_length_request} per {self.max_model_len:,}-token request: "
+            f"{self.max_concurrent_max_length_requests} concurrent max-length requests"
+        )
