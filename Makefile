@@ -21,3 +21,5 @@ bench: install
 	$(VENV)/bin/python -m bench.disagg_vs_colocated --tp 2 --lengths 128 1024
 	$(VENV)/bin/python -m bench.overload --rate 6
 	$(VENV)/bin/python -m bench.http_vs_grpc
+	$(VENV)/bin/python -m bench.router_capacity --worker-niceness 15 0
+	$(VENV)/bin/python -m bench.vs_vllm

@@ -6,7 +6,9 @@ workload, all driven by vLLM's own serving benchmark (`vllm bench serve`, over H
   VLLM_CPU_OMP_THREADS_BIND, its defaults otherwise), each fed half of the Poisson stream
   (a random split of a Poisson stream is two Poisson streams at half the rate);
 - pdserve colocated: `pdserve serve --prefill 0 --decode 2 --http ...`;
-- pdserve 1P+1D: `pdserve serve --prefill 1 --decode 1 --http ...`.
+- pdserve 1P+1D: `pdserve serve --prefill 1 --decode 1 --http ...`;
+pdserve's engines compiled like the stock servers' (`--no-enforce-eager`; `--pdserve-eager`
+runs pdserve's CPU default instead).
 The systems run one after another (each needs both cores), every rate on each. Requests are
 judged by one SLO (TTFT and a request's p90 inter-token gap, as the issue defines it) with
 pdserve's percentile definition, from the benchmark's per-request records.
@@ -111,12 +113,14 @@ def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int) -> _System:
     return _System(f"stock vLLM x{len(cores)}", commands)
 
 
-def pdserve(model: str, prefill: int, decode: int) -> _System:
+def pdserve(model: str, prefill: int, decode: int, eager: bool) -> _System:
     port = _free_port()
     command = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--prefill", str(prefill)]
     command += ["--decode", str(decode), "--listen", f"127.0.0.1:{_free_port()}", "--metrics-port", "0"]
     command += ["--http", f"127.0.0.1:{port}", "--served-model-name", MODEL_NAME]
+    command += ["--enforce-eager" if eager else "--no-enforce-eager"]
     name = "pdserve colocated" if prefill == 0 else f"pdserve {prefill}P+{decode}D"
+    name += " (eager)" if eager else ""
     return _System(name, [(command, {}, f"http://127.0.0.1:{port}")])
 
 
@@ -138,16 +142,26 @@ def _bench(urls: list[str], model: str, rate: float, args: argparse.Namespace, o
         _, err = process.communicate()
         if process.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{err[-2000:]}")
-        data = json.loads(result.read_text())
-        for ttft, itl, start, latency, error in zip(
-            data["ttfts"], data["itls"], data["start_times"], data["latencies"], data["errors"]
-        ):
-            records.append({"ttft": ttft, "itl": itl, "start": start, "end": start + latency, "error": error})
+        records += records_of(json.loads(result.read_text()))
+    return records
+
+
+def records_of(data: dict) -> list[dict]:
+    """Per-request records from `vllm bench serve --save-detailed` output."""
+    records = []
+    for ttft, itl, start, latency, tokens, error in zip(
+        data["ttfts"], data["itls"], data["start_times"], data["latencies"], data["output_lens"], data["errors"]
+    ):
+        # A gap per streamed chunk: a server that ends with a chunk of its own (finish
+        # reason, no token; pdserve's HTTP front does) has one more than its tokens.
+        gaps = itl[: max(tokens - 1, 0)]
+        end = start + latency
+        records.append({"ttft": ttft, "itl": gaps, "tokens": tokens, "start": start, "end": end, "error": error})
     return records
 
 
 def judge(system: str, rate: float, records: list[dict], output_len: int, slo: SLO) -> RatePoint:
-    done = [r for r in records if not r["error"] and len(r["itl"]) == output_len - 1]
+    done = [r for r in records if not r["error"] and r["tokens"] == output_len]
     good = [
         r for r in done if r["ttft"] <= slo.ttft_s and (not r["itl"] or percentile(r["itl"], 90) <= slo.itl_s)
     ]
@@ -158,7 +172,7 @@ def judge(system: str, rate: float, records: list[dict], output_len: int, slo: S
         len(records),
         len(done),
         LatencySummary.of([r["ttft"] for r in done]),
-        LatencySummary.of([sum(r["itl"]) / len(r["itl"]) for r in done if r["itl"]]),
+        LatencySummary.of([(r["end"] - r["start"] - r["ttft"]) / (r["tokens"] - 1) for r in done if r["tokens"] > 1]),
         LatencySummary.of([g for r in done for g in r["itl"]]),
         len(good) / duration,
         len(good) / len(records),
@@ -204,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kv-cache-bytes", type=int, default=256 << 20, help="stock servers' KV cache (pdserve's CPU default)"
     )
+    parser.add_argument(
+        "--pdserve-eager", action="store_true", help="pdserve's CPU default (eager) instead of compiled like stock vLLM"
+    )
     systems = ["stock", "colocated", "1p1d"]
     parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument("--json", type=Path, help="write every rate point here")
@@ -212,8 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))[:2]
     builders = {
         "stock": lambda: stock_vllm(model, cores, args.kv_cache_bytes),
-        "colocated": lambda: pdserve(args.model, 0, 2),
-        "1p1d": lambda: pdserve(args.model, 1, 1),
+        "colocated": lambda: pdserve(args.model, 0, 2, args.pdserve_eager),
+        "1p1d": lambda: pdserve(args.model, 1, 1, args.pdserve_eager),
     }
     points: list[RatePoint] = []
     names: list[str] = []

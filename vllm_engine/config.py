@@ -63,7 +63,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 8192
-    # None: eager on CPU (no graphs there), CUDA graphs on GPU.
+    # None: eager on CPU (torch.compile there costs ~15 s of start-up per engine on a small
+    # box, every start: bench/vs_vllm.py measures what it buys), compiled + CUDA graphs on GPU.
     enforce_eager: bool | None = None
     # None: off on CPU (hybrids need 'align' Mamba caching there, ~6x slower), vLLM's own
     # default on GPU (on where it supports the model).

@@ -1,0 +1,32 @@
+"""bench/vs_vllm.py's judging of `vllm bench serve` records (the servers run in `make bench`)."""
+
+import pytest
+
+from bench.vs_vllm import DEFAULT_SLO, judge, records_of
+
+
+def _data(requests: list[tuple[float, list[float], int, str]]) -> dict:
+    """(ttft, gaps, output tokens, error) per request, started 1 s apart, as the benchmark saves them."""
+    return {
+        "ttfts": [r[0] for r in requests],
+        "itls": [r[1] for r in requests],
+        "start_times": [float(i) for i in range(len(requests))],
+        "latencies": [r[0] + sum(r[1]) for r in requests],
+        "output_lens": [r[2] for r in requests],
+        "errors": [r[3] for r in requests],
+    }
+
+
+def test_a_closing_chunk_without_a_token_is_not_a_gap():
+    (record,) = records_of(_data([(0.1, [0.01, 0.01, 0.0001], 3, "")]))
+    assert record["itl"] == [0.01, 0.01]
+
+
+def test_requests_are_judged_by_ttft_and_their_p90_gap():
+    fast, slow_start = (0.2, [0.01] * 9, 10, ""), (1.5, [0.01] * 9, 10, "")
+    stuttering = (0.2, [0.01] * 7 + [0.2] * 2, 10, "")
+    short, failed = (0.2, [0.01] * 4, 5, ""), (0.0, [], 0, "HTTP 503")
+    point = judge("s", 1.0, records_of(_data([fast, slow_start, stuttering, short, failed])), 10, DEFAULT_SLO)
+    assert (point.sent, point.completed) == (5, 3)
+    assert point.slo_attainment == pytest.approx(1 / 5)  # only `fast` meets both bounds
+    assert point.tpot_s.p50 == pytest.approx(0.01)
