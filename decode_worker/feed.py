@@ -21,6 +21,7 @@ class _Feed:
     pending: list[LegEvent] = field(default_factory=list)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     legs: set[str] = field(default_factory=set)
+    streaming: bool = False  # its subscriber is reading it
 
     def put(self, event: LegEvent) -> None:
         self.pending.append(event)
@@ -33,11 +34,13 @@ class FeedHub:
     def __init__(self) -> None:
         self._feeds: dict[str, _Feed] = {}
         self._legs: dict[str, asyncio.Task[None]] = {}
+        self._closed: set[str] = set()  # subscribers whose feed ended: nobody would read theirs
 
     async def stream(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
         """The batches for `subscriber` until it closes the feed (or dies: Ray cancels this
         task then), which also aborts every request it still has here."""
         feed = self._feeds.setdefault(subscriber, _Feed())
+        feed.streaming = True
         try:
             while True:
                 await feed.ready.wait()
@@ -45,6 +48,7 @@ class FeedHub:
                 batch, feed.pending = feed.pending, []
                 yield batch
         finally:
+            self._closed.add(subscriber)
             self._feeds.pop(subscriber, None)
             for leg_id in list(feed.legs):
                 self.abort(leg_id)
@@ -53,9 +57,11 @@ class FeedHub:
         """Pump one request's chunks into its subscriber's feed."""
         if leg_id in self._legs:
             raise ValueError(f"request id {leg_id} is already being decoded here")
+        if subscriber in self._closed:
+            raise ConnectionError(f"the feed of {subscriber} has ended: open a new one to start requests")
         feed = self._feeds.setdefault(subscriber, _Feed())  # the feed may open just after
         feed.legs.add(leg_id)
-        task = asyncio.get_running_loop().create_task(self._pump(feed, leg_id, chunks))
+        task = asyncio.get_running_loop().create_task(self._pump(subscriber, feed, leg_id, chunks))
         self._legs[leg_id] = task
 
     def abort(self, leg_id: str) -> None:
@@ -64,7 +70,7 @@ class FeedHub:
         if task is not None:
             task.cancel()
 
-    async def _pump(self, feed: _Feed, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
+    async def _pump(self, subscriber: str, feed: _Feed, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
         try:
             async for chunk in chunks:
                 feed.put(LegEvent(leg_id, chunk=chunk))
@@ -75,4 +81,8 @@ class FeedHub:
         finally:
             feed.legs.discard(leg_id)
             del self._legs[leg_id]
+            if not feed.legs and not feed.streaming and self._feeds.get(subscriber) is feed:
+                # Started for a router that never read this feed (it sent the request to a
+                # restarted actor): the request is over, its events have no reader.
+                del self._feeds[subscriber]
             await chunks.aclose()

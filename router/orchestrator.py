@@ -194,7 +194,7 @@ class Orchestrator:
         finally:
             feed.close_leg(request.request_id)
             member.outstanding_requests -= 1
-            if not finished and feed.usable:  # caller left early or it failed: stop the engine too
+            if not finished:  # caller left early or it failed: stop the engine too
                 member.actor.abort_leg.remote(request.request_id)
             if handle is not None and not started:
                 # Cancelled or failed before decode produced anything: the producer may

@@ -1,0 +1,87 @@
+"""Decode feeds without engines: batching, aborts and cleanup in FeedHub (decode_worker/feed.py).
+The real path (Ray streams from engine actors to the router) runs in every P/D test."""
+
+import asyncio
+
+import pytest
+
+from decode_worker.feed import FeedHub
+from messages.results import TokenChunk
+
+
+async def _tokens(step: asyncio.Event, n: int, closed: list[str], name: str):
+    try:
+        for i in range(n):
+            await step.wait()
+            yield TokenChunk((i,), str(i), "length" if i == n - 1 else None)
+    finally:
+        closed.append(name)
+
+
+def test_what_is_ready_goes_out_in_one_batch_for_every_request():
+    async def scenario():
+        hub, step, closed = FeedHub(), asyncio.Event(), []
+        feed = hub.stream("router-a")
+        first = asyncio.ensure_future(anext(feed))
+        await asyncio.sleep(0)
+        for name in ("r1", "r2", "r3"):
+            hub.start("router-a", name, _tokens(step, 2, closed, name))
+        step.set()  # both tokens of every request are ready at once
+        batch = await first
+        await feed.aclose()
+        return batch, closed
+
+    batch, closed = asyncio.run(scenario())
+    assert sorted(e.leg_id for e in batch) == ["r1", "r1", "r2", "r2", "r3", "r3"]
+    assert all(e.error is None for e in batch) and sorted(closed) == ["r1", "r2", "r3"]
+
+
+def test_closing_a_feed_aborts_its_requests_and_refuses_new_ones():
+    async def scenario():
+        hub, never, closed = FeedHub(), asyncio.Event(), []
+        feed = hub.stream("router-a")
+        pending = asyncio.ensure_future(anext(feed))
+        await asyncio.sleep(0)
+        hub.start("router-a", "r1", _tokens(never, 5, closed, "r1"))
+        await asyncio.sleep(0)
+        pending.cancel()  # what Ray does when the router dies or cancels the stream
+        await asyncio.gather(pending, return_exceptions=True)
+        await feed.aclose()
+        await asyncio.sleep(0.01)
+        with pytest.raises(ConnectionError, match="open a new one"):
+            hub.start("router-a", "r2", _tokens(never, 1, closed, "r2"))
+        return hub, closed
+
+    hub, closed = asyncio.run(scenario())
+    assert closed == ["r1"] and not hub._legs and not hub._feeds
+
+
+def test_a_request_failure_reaches_its_router_as_an_event():
+    async def failing():
+        raise RuntimeError("could not load the state")
+        yield  # an async generator
+
+    async def scenario():
+        hub = FeedHub()
+        feed = hub.stream("router-a")
+        first = asyncio.ensure_future(anext(feed))
+        await asyncio.sleep(0)
+        hub.start("router-a", "r1", failing())
+        batch = await first
+        await feed.aclose()
+        return batch
+
+    (event,) = asyncio.run(scenario())
+    assert event.leg_id == "r1" and isinstance(event.error, RuntimeError) and event.chunk is None
+
+
+def test_a_request_for_a_feed_nobody_reads_leaves_nothing_behind():
+    async def scenario():
+        hub, step, closed = FeedHub(), asyncio.Event(), []
+        hub.start("router-gone", "r1", _tokens(step, 2, closed, "r1"))
+        step.set()
+        await asyncio.sleep(0.01)
+        return hub, closed
+
+    hub, closed = asyncio.run(scenario())
+    assert closed == ["r1"] and not hub._feeds and not hub._legs
