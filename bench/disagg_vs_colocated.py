@@ -25,7 +25,7 @@ import ray
 from decode_worker.actor import DecodeActor
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from vllm_engine.config import EngineConfig
 

@@ -45,7 +45,7 @@ from bench.loadgen import (
     sweep,
     write_json,
 )
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
@@ -109,7 +109,7 @@ async def measure(system: System, model: str, rates: Sequence[float], config: Lo
         orchestrator = await deployment.start()
         pids = await _actor_pids(deployment)
         # Token-id prompts only: no tokenizer needed in the router.
-        server = RouterServer(orchestrator, lambda text: [], model)
+        server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
         await server.start()
         print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {server.address}", file=sys.stderr)
         try:

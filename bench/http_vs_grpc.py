@@ -24,7 +24,7 @@ import grpc
 import httpx
 
 from router.client import build_request, stream_generate
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.openai_http import HTTPServer, openai_front_for
 from router.ray_cluster import start_local
 from router.server import RouterServer
@@ -71,7 +71,7 @@ async def _http(client: httpx.AsyncClient, url: str, prompt: list[int], max_toke
 async def run(model: str, reps: int, prompt_tokens: int, max_tokens: int) -> dict[str, float]:
     deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=model)))
     orchestrator = await deployment.start()
-    server = RouterServer(orchestrator, lambda text: [], model)
+    server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
     await server.start()
     http = HTTPServer(openai_front_for(server, None, MODEL), "127.0.0.1:0")
     await http.start()

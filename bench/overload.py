@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.loadgen import RunReport, add_load_args, load_config, percentile, sweep, write_json
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer, admission_limits
 from vllm_engine.config import EngineConfig, resolve_model
@@ -57,7 +57,7 @@ async def run(model: str, rate: float, args: argparse.Namespace) -> list[RateRes
     deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=model)))
     try:
         orchestrator = await deployment.start()
-        server = RouterServer(orchestrator, lambda text: [], model)  # token-id prompts only
+        server = RouterServer(orchestrator, deployment.health, lambda text: [], model)  # token-id prompts only
         await server.start()
         limits = admission_limits(orchestrator, server.front)
         print(f"admission: {limits.max_in_flight} in flight, {limits.max_queue} waiting", file=sys.stderr)

@@ -24,7 +24,7 @@ import grpc
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from router.client import build_request, stream_generate
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
@@ -81,7 +81,7 @@ async def _through_grpc(channel, prompt: list[int], max_tokens: int, request_id:
 async def run(prompt_tokens: int, max_tokens: int, reps: int, model: str) -> Report:
     deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=resolve_model(model))))
     orchestrator = await deployment.start()
-    server = RouterServer(orchestrator, lambda text: [], model)
+    server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
     await server.start()
     prompt = [(31 * i + 7) % 2000 + 1 for i in range(prompt_tokens)]
     sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)

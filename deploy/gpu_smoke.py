@@ -71,7 +71,7 @@ async def _smoke(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from router import ray_cluster
-    from router.deployment import Deployment
+    from controller.deployment import Deployment
     from router.server import RouterServer
     from vllm_engine.config import resolve_model
 
@@ -97,7 +97,7 @@ async def _smoke(args: argparse.Namespace) -> int:
             return 1
         for name, capacity in deployment.capacities.items():
             print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, tokenizer.encode, model, "127.0.0.1:0")
+        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, "127.0.0.1:0")
         await server.start()
         if await _stream(server.address, WARM_UP_PROMPT, max_tokens=2, quiet=True) is None:
             return 1

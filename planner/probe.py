@@ -37,7 +37,7 @@ import ray
 from messages.requests import GenerateRequest, SamplingConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.ray_cluster import join, start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
@@ -184,7 +184,7 @@ async def _served(config: DeploymentConfig) -> AsyncIterator[tuple[Deployment, g
     """A deployment behind a gRPC router server, and a client channel to it."""
     deployment = Deployment(config)
     try:
-        server = RouterServer(await deployment.start(), lambda text: [], config.engine.model)
+        server = RouterServer(await deployment.start(), deployment.health, lambda text: [], config.engine.model)
         await server.start()
         try:
             async with grpc.aio.insecure_channel(server.address) as channel:

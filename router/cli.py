@@ -8,12 +8,15 @@ import signal
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 if TYPE_CHECKING:
-    from router.deployment import DeploymentConfig
+    from controller.deployment import DeploymentConfig
     from router.security import ClientCredentials
     from router.server import FrontDoorConfig
+    from router.tier import RouterTier
+
+T = TypeVar("T")
 
 DEFAULT_PROMPT = (
     "Prefill processes the prompt and creates state; decode consumes that state one token "
@@ -30,15 +33,20 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     demo.add_argument("--max-tokens", type=int, default=48)
 
-    serve = sub.add_parser("serve", help="start or join a Ray cluster, bring up the pools, serve gRPC")
+    serve = sub.add_parser(
+        "serve", help="start or join a Ray cluster, bring up the pools under a controller, serve gRPC from N routers"
+    )
     _add_cluster_args(serve)
     serve.add_argument("--prefill", type=int, default=1, help="prefill actors (0: colocated serving)")
     serve.add_argument("--decode", type=int, default=1, help="decode actors")
-    serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
-    serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port (0: off)")
-    serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoint binds")
     serve.add_argument(
-        "--prometheus-sd-file", help="keep a Prometheus file_sd target file of the workers' metrics endpoints here"
+        "--routers", type=int, default=1, help="router processes (Ray actors, spread over nodes; on one host they share the port)"
+    )
+    serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
+    serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port; router i: port + i (0: off)")
+    serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoints bind")
+    serve.add_argument(
+        "--prometheus-sd-file", help="keep a Prometheus file_sd target file of the workers' and routers' metrics endpoints here"
     )
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here")
     serve.add_argument("--served-model-name", help="model id for the HTTP API (default: --model)")
@@ -88,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return asyncio.run(_serve(args))
         credentials = client_credentials(args)
-    except (ValueError, OSError) as err:  # a configuration that cannot run: say why, no traceback
+    except (ValueError, RuntimeError, OSError) as err:  # a configuration that cannot run: say why, no traceback
         print(f"pdserve {args.command}: {err}", file=sys.stderr)
         return 2
     return asyncio.run(
@@ -169,7 +177,7 @@ def deployment_config_from_args(args: argparse.Namespace, num_prefill: int, num_
     from dataclasses import replace
 
     from kv_transfer.connector_config import TransferConfig
-    from router.deployment import DeploymentConfig
+    from controller.deployment import DeploymentConfig
     from vllm_engine.config import EngineConfig, EngineSizing
 
     def sizing(role: str) -> EngineSizing:
@@ -210,7 +218,7 @@ async def _bring_up(
     from transformers import AutoTokenizer
 
     from router import ray_cluster
-    from router.deployment import Deployment
+    from controller.deployment import Deployment
     from router.server import RouterServer
     from vllm_engine.config import resolve_model
 
@@ -229,7 +237,7 @@ async def _bring_up(
         orchestrator = await deployment.start()
         for name, capacity in deployment.capacities.items():
             print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, tokenizer.encode, model, listen, scale=deployment.resize, **front_kwargs)
+        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, listen, scale=deployment.resize, **front_kwargs)
         await server.start()
     except BaseException:
         deployment.shutdown()
@@ -254,36 +262,92 @@ async def _demo(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    """A detached controller owns the pools; `--routers` router actors serve in front of it."""
+    import dataclasses
+
+    from controller.actor import CONTROLLER_NAME, controller_for
+    from controller.deployment import check_sizing
+    from router import ray_cluster
+    from router.actor import RouterSettings
+    from router.tier import RouterTier
+
     front = front_door_config(args)  # before any engine starts: a bad TLS or token file fails fast
-    stack = await _bring_up(args, args.prefill, args.decode, args.listen, front)
+    config = deployment_config_from_args(args, args.prefill, args.decode)  # refuses bad TP pairings
+    check_sizing(config)
+    if args.routers < 1:
+        raise ValueError(f"--routers {args.routers}: at least one router must take traffic")
+    if args.address:
+        ray_cluster.join(args.address)
+    else:
+        ray_cluster.start_local()
+    controller, created = controller_for(config, CONTROLLER_NAME, args.prometheus_sd_file)
+    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
+    if created:
+        print(f"model {args.model}: starting {args.prefill} prefill + {args.decode} decode engines ({tps})...", file=sys.stderr)
+    else:
+        print(f"a controller already runs on this cluster ({CONTROLLER_NAME}): serving its pools", file=sys.stderr)
+    tier = None
+    try:
+        await _remote(controller.start.remote() if created else controller.view.remote())
+        for name, summary in (await controller.capacities.remote()).items():
+            print(f"  {name}: {summary}", file=sys.stderr)
+        settings = RouterSettings(
+            model=args.model,
+            listen=args.listen,
+            front=dataclasses.replace(front, prometheus_sd_file=None),  # the controller keeps that file
+            http=args.http,
+            served_model_name=args.served_model_name,
+            metrics_host=args.metrics_host if args.metrics_port else None,
+            metrics_port=args.metrics_port,
+        )
+        tier = RouterTier(controller, settings)
+        routers = await _remote(tier.start(args.routers))
+    except BaseException:
+        await _stop(controller, tier, 0)
+        raise
+    first = routers[0]
+    shared = f" ({len(routers)} routers)" if len(routers) > 1 else ""
     if front.tokens is None and not args.listen.startswith(("127.", "localhost", "[::1]")):
         print(f"warning: {args.listen} is not loopback and no tokens are set: anyone who reaches it can "
               "generate and resize the pools (--tokens-file)", file=sys.stderr)
-    http = None
-    if args.http:
-        from router.openai_http import HTTPServer, openai_front_for
-
-        http = HTTPServer(openai_front_for(stack.server, stack.tokenizer, args.served_model_name or args.model), args.http, front.tls)
-        await http.start()
-        print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{http.address}/v1", file=sys.stderr)
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        start_http_server(args.metrics_port, addr=args.metrics_host)
-        print(f"router metrics on http://{args.metrics_host}:{args.metrics_port}/metrics", file=sys.stderr)
+    print(f"serving pdserve.v1.Generation on {first.grpc}{shared}", file=sys.stderr)
+    if first.http:
+        print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{first.http}/v1{shared}", file=sys.stderr)
+    for router in routers:
+        if router.metrics:
+            print(f"router metrics on http://{router.metrics}/metrics", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    server = stack.server
     print(f"draining: no new requests, live streams get {args.drain_timeout:.0f}s to finish", file=sys.stderr)
-    finished = await server.drain(args.drain_timeout)  # type: ignore[attr-defined]
-    if http is not None:
-        await http.stop()
-    print(f"{'drained' if finished else 'drain timed out'}: stopping the engines", file=sys.stderr)
-    stack.deployment.shutdown()  # type: ignore[attr-defined]
+    finished = await _stop(controller, tier, args.drain_timeout)
+    print(f"{'drained' if finished else 'drain timed out'}: engines stopped", file=sys.stderr)
     return 0
+
+
+async def _remote(awaitable: Awaitable[T]) -> T:
+    """A remote call's result; a refusal raised in an actor comes out as itself (ValueError,
+    RuntimeError), without Ray's traceback around it."""
+    import ray
+
+    try:
+        return await awaitable
+    except ray.exceptions.RayTaskError as err:
+        raise err.cause from None
+
+
+async def _stop(controller: Any, tier: "RouterTier | None", drain_timeout_s: float) -> bool:
+    """Drain the routers, then stop the engines and the controller."""
+    import ray
+
+    finished = await tier.drain(drain_timeout_s) if tier is not None else True
+    try:
+        await controller.shutdown.remote()
+    finally:
+        ray.kill(controller, no_restart=True)
+    return finished
 
 
 async def _generate(

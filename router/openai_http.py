@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import socket
 import time
 import uuid
 from dataclasses import asdict
@@ -381,7 +382,9 @@ class _ChatShape(_Shape):
 class HTTPServer:
     """uvicorn serving the app on the router's own event loop, beside the gRPC server."""
 
-    def __init__(self, front: OpenAIFront, address: str, tls: Any = None) -> None:
+    def __init__(self, front: OpenAIFront, address: str, tls: Any = None, reuse_port: bool = False) -> None:
+        """`reuse_port`: several routers on one host share the port (SO_REUSEPORT, as gRPC
+        servers do by default); the kernel spreads connections over them."""
         import uvicorn
 
         host, _, port = address.rpartition(":")
@@ -396,10 +399,12 @@ class HTTPServer:
         self._server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
         self._host = host
+        self._socket = _reusable_socket(host, int(port)) if reuse_port else None
         self.address = address
 
     async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        sockets = [self._socket] if self._socket else None
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
             if self._task.done():
                 self._task.result()  # raises the start-up error (port taken, bad certificate)
@@ -411,6 +416,15 @@ class HTTPServer:
         self._server.should_exit = True
         if self._task is not None:
             await self._task
+
+
+def _reusable_socket(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(address)
+    return sock
 
 
 def openai_front_for(router_server: Any, tokenizer: Any, model_name: str) -> OpenAIFront:

@@ -21,7 +21,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from messages.errors import DecodeFailedError, NoWorkerError, PrefillTimeoutError
-from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
+from messages.requests import GenerateRequest, ModelLimits
 from messages.results import GenerationResult, PrefillResult, TokenChunk
 from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes, TransferHandle
@@ -80,40 +80,9 @@ class Orchestrator:
         # No prefill pool at all: colocated serving (the decode engines prefill locally),
         # the baseline disaggregation is measured against, behind the same router.
         self.colocated = not prefill.members
-        # (prefill, decode) actor pairs whose NIXL handshake was done ahead of traffic,
-        # with how long that first transfer took.
-        self.handshakes: dict[tuple[str, str], float] = {}
         self._background: set[asyncio.Task[None]] = set()  # releases in flight
         # One batched token stream per decode actor for this router (router/feeds.py).
         self._feeds: dict[str, DecodeFeed] = {}
-
-    async def refresh(self, poll_timeout_s: float, handshake_timeout_s: float = 30.0) -> None:
-        """Poll both pools. An actor that joins (start-up, restart) first completes its NIXL
-        handshake with every live actor of the other pool, so no user request pays for it."""
-        joining_prefill, joining_decode = await asyncio.gather(
-            self.prefill.refresh_loads(poll_timeout_s), self.decode.refresh_loads(poll_timeout_s)
-        )
-        if not self.colocated:
-            decode = [m for m in self.decode.members if m.alive] + joining_decode
-            prefill = [m for m in self.prefill.members if m.alive]
-            pairs = [(p, d) for p in joining_prefill for d in decode] + [(p, d) for p in prefill for d in joining_decode]
-            await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
-        for member in joining_prefill + joining_decode:
-            member.alive = True
-        metrics.observe_pool(self.prefill)
-        metrics.observe_pool(self.decode)
-
-    async def _handshake(self, prefill: Member, decode: Member, timeout_s: float) -> None:
-        request_id = f"handshake-{prefill.name}-{decode.name}-{time.monotonic_ns()}"
-        request = GenerateRequest(request_id, tuple(range(1, 17)), SamplingConfig(max_tokens=1))
-        started = time.perf_counter()
-        try:
-            result = await asyncio.wait_for(prefill.actor.prefill.remote(request), timeout_s)
-            await asyncio.wait_for(_drain(decode.actor.generate.remote(request, result.handle)), timeout_s)
-        except Exception:  # a peer that cannot handshake now will on its first request
-            log.warning("pre-warm handshake %s -> %s failed", prefill.name, decode.name, exc_info=True)
-            return
-        self.handshakes[(prefill.name, decode.name)] = time.perf_counter() - started
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
@@ -294,8 +263,3 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
 
 async def _resolve(ref) -> PrefillResult:  # noqa: ANN001 (a Ray ObjectRef)
     return await ref
-
-
-async def _drain(stream) -> None:  # noqa: ANN001
-    async for ref in stream:
-        await ref

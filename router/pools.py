@@ -1,18 +1,22 @@
 """The prefill and decode actor pools and how the router picks from them.
 
 Picking uses what the router already knows exactly and for free (requests it has in
-flight on each actor) plus each actor's cheap load report (free KV blocks), refreshed in
-the background: no per-request round trip to the workers.
+flight on each actor) plus each actor's cheap load report (requests running and waiting,
+free KV blocks), refreshed in the background: no per-request round trip to the workers.
+Several routers pick independently; the load report is what shows each of them the
+others' requests (tests/test_pools.py measures the imbalance without it).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 from dataclasses import dataclass, field
 from typing import Any
 
 from messages.errors import NoWorkerError
+from messages.membership import MemberState
 from messages.reports import EngineCapacity, EngineLoad
 
 
@@ -30,6 +34,21 @@ class Member:
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
     missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
+    outstanding_at_report: int = 0  # this router's requests on it when `load` was measured
+
+    def record_load(self, load: EngineLoad | None) -> None:
+        self.load = load
+        self.outstanding_at_report = self.outstanding_requests
+
+    @property
+    def estimated_requests(self) -> int:
+        """Requests on the engine from every router: the last report's running and waiting
+        ones, plus what this router started there since (minus what it finished). With one
+        router this is its own in-flight count; with several it includes the others'."""
+        if self.load is None:
+            return self.outstanding_requests
+        since_report = self.outstanding_requests - self.outstanding_at_report
+        return max(self.outstanding_requests, self.load.running + self.load.waiting + since_report)
 
 
 @dataclass(slots=True)
@@ -40,7 +59,9 @@ class Pool:
     # rotation then would only push its load onto the others. Only this many timeouts in a
     # row (a wedged actor) take it out; a dead actor's error does at once.
     timeouts_before_dead: int = 3
-    _tiebreak: itertools.count = field(default_factory=itertools.count)
+    # Ties rotate, each router from its own random start, so routers that all see idle
+    # engines do not all pick the first one.
+    _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
 
     def pick_prefill(self) -> Member:
         """Least outstanding prompt tokens: prefill time is proportional to them."""
@@ -49,13 +70,13 @@ class Pool:
         return min(live, key=lambda m: (m.outstanding_prompt_tokens, (live.index(m) - turn) % len(live)))
 
     def pick_decode(self) -> Member:
-        """Fewest running, then most free KV/state capacity."""
+        """Fewest requests (from all routers), then most free KV/state capacity."""
         live = self._live_members()
         turn = next(self._tiebreak)
         return min(
             live,
             key=lambda m: (
-                m.outstanding_requests,
+                m.estimated_requests,
                 -(m.load.free_blocks if m.load else 0),
                 (live.index(m) - turn) % len(live),
             ),
@@ -96,7 +117,7 @@ class Pool:
                     member.alive = False
                 continue
             member.missed_polls = 0
-            member.load = load
+            member.record_load(load)
             if load is None:
                 member.alive = False
             elif member.draining:
@@ -106,3 +127,19 @@ class Pool:
                 member.engine_id = load.engine_id
                 joining.append(member)
         return joining
+
+    def mirror(self, states: tuple[MemberState, ...], new_poll: bool) -> None:
+        """Take membership, liveness and load from the controller's view, keeping what only
+        this router knows (its requests in flight on each member). `new_poll`: the loads
+        were measured since the last view (else they are not taken as new)."""
+        known = {m.name: m for m in self.members}
+        members = []
+        for state in states:
+            member = known.get(state.name) or Member(state.name, state.actor)
+            member.actor = state.actor
+            member.alive, member.draining, member.capacity = state.alive, state.draining, state.capacity
+            member.engine_id = state.load.engine_id if state.load else member.engine_id
+            if new_poll:
+                member.record_load(state.load)
+            members.append(member)
+        self.members = members  # one that left keeps its object for requests still on it

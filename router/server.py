@@ -7,7 +7,7 @@ import asyncio
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -102,6 +102,13 @@ class GenerationService(pb_grpc.GenerationServicer):
         )
 
 
+class Membership(Protocol):
+    """What keeps the router's pools current: the pools' own health polling when this
+    router owns them (controller/health.py), or a mirror of the controller's view."""
+
+    async def refresh(self, poll_timeout_s: float) -> None: ...
+
+
 # (prefill, decode, TP sizes the caller's plan assumes or None) -> new pool sizes.
 Scaler = Callable[[int, int, "tuple[int, int] | None"], Awaitable[tuple[int, int]]]
 
@@ -146,6 +153,7 @@ class RouterServer:
     def __init__(
         self,
         orchestrator: Orchestrator,
+        membership: Membership,
         tokenize: Callable[[str], list[int]],
         model: str,
         address: str = "127.0.0.1:0",
@@ -154,6 +162,7 @@ class RouterServer:
         front: FrontDoorConfig = FrontDoorConfig(),
     ) -> None:
         self.orchestrator = orchestrator
+        self.membership = membership
         self.front = front
         self.admission = AdmissionController(lambda: admission_limits(orchestrator, front))
         self._server = grpc.aio.server(
@@ -220,7 +229,7 @@ class RouterServer:
 
     async def _update_health(self) -> None:
         o = self.orchestrator
-        await o.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
+        await self.membership.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
         if self.front.prometheus_sd_file:
             write_targets(Path(self.front.prometheus_sd_file), (o.prefill, o.decode))
         if self.admission.draining:

@@ -104,6 +104,7 @@ class ServedStack:
         async def start_server():
             server = RouterServer(
                 orchestrator,
+                dep.health,
                 tokenizer.encode,
                 model_path,
                 health_interval_s=health_interval_s,

@@ -4,7 +4,7 @@ import pytest
 from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
 
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 
 
 @pytest.fixture(scope="module")

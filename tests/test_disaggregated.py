@@ -34,7 +34,7 @@ LEASE_S = 6
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, engine_config, reference):
-    from router.deployment import Deployment, DeploymentConfig
+    from controller.deployment import Deployment, DeploymentConfig
 
     dep = Deployment(DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=LEASE_S)))
     orchestrator = run(dep.start())
@@ -43,8 +43,8 @@ def deployment(ray_cluster, engine_config, reference):
 
 
 def test_every_pair_is_handshaken_before_traffic(deployment):
-    _, orchestrator = deployment
-    assert set(orchestrator.handshakes) == {("prefill-0", "decode-0")}
+    dep, orchestrator = deployment
+    assert set(dep.health.handshakes) == {("prefill-0", "decode-0")}
     assert all(m.alive for m in orchestrator.prefill.members + orchestrator.decode.members)
 
 

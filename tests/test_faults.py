@@ -13,7 +13,7 @@ from reference import MAX_TOKENS, assert_matches, collect, decode_tokens, make_r
 
 from kv_transfer.connector_config import TransferConfig
 from messages.errors import TransferFailedError
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.orchestrator import RouterPolicy
 
 
@@ -53,9 +53,9 @@ def test_restarted_prefill_actor_serves_again(fail_policy, reference):
     dep, orchestrator = fail_policy
     prefill = dep.prefill.members[0].actor
     assert wait_until(lambda: _answers(prefill), timeout_s=60)
-    before = dict(orchestrator.handshakes)
-    run(orchestrator.refresh(poll_timeout_s=5))
-    assert orchestrator.handshakes[("prefill-0", "decode-0")] != before[("prefill-0", "decode-0")]  # re-handshaken
+    before = dict(dep.health.handshakes)
+    run(dep.health.refresh(poll_timeout_s=5))
+    assert dep.health.handshakes[("prefill-0", "decode-0")] != before[("prefill-0", "decode-0")]  # re-handshaken
     tokens, result = run(collect(orchestrator.generate(make_request("over_one_block", "after-restart"))))
     assert_matches(tokens, reference["over_one_block"])
     assert_no_blocks_held(dep, timeout_s=15)
@@ -95,7 +95,7 @@ def test_prefill_killed_recompute_policy_prefills_on_decode(recompute_policy, re
 def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_policy, reference):
     dep, orchestrator = recompute_policy
     assert wait_until(lambda: _answers(dep.prefill.members[0].actor), timeout_s=60)
-    run(orchestrator.refresh(poll_timeout_s=5))
+    run(dep.health.refresh(poll_timeout_s=5))
 
     async def stream_and_kill():
         tokens, result, killed = [], None, None

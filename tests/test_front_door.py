@@ -21,7 +21,7 @@ from kv_transfer.connector_config import TransferConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from router.client import build_request
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from router.security import ClientCredentials, ServerTLS, TokenTable
 from router.server import FrontDoorConfig, RouterServer
 from vllm_engine.config import EngineSizing
@@ -121,7 +121,7 @@ def test_mutual_tls_requires_a_client_certificate(door, certs):
     front = FrontDoorConfig(tls=ServerTLS(certs["server_cert"], certs["server_key"], client_ca=certs["ca_cert"]))
 
     async def start():
-        server = RouterServer(door.dep.orchestrator, lambda text: [], "m", "127.0.0.1:0", front=front)
+        server = RouterServer(door.dep.orchestrator, door.dep.health, lambda text: [], "m", "127.0.0.1:0", front=front)
         await server.start()
         return server
 

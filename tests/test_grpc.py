@@ -18,7 +18,7 @@ from router.client import build_request, stream_generate
 
 @pytest.fixture(scope="module")
 def stack(ray_cluster, engine_config, reference, model_path):
-    from router.deployment import Deployment, DeploymentConfig
+    from controller.deployment import Deployment, DeploymentConfig
 
     served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
     yield served

@@ -31,4 +31,5 @@ def test_messages_import_no_engine_or_cluster_packages():
 
 
 def test_the_routers_request_path_imports_no_vllm():
-    assert not packages_loaded_by("router.server, router.orchestrator, router.openai_http") & {"vllm", "torch"}
+    routers = "router.server, router.orchestrator, router.openai_http, router.actor, router.tier, router.mirror"
+    assert not packages_loaded_by(routers) & {"vllm", "torch"}

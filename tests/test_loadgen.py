@@ -207,7 +207,7 @@ def test_only_loopback_targets():
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, engine_config, model_path):
-    from router.deployment import Deployment, DeploymentConfig
+    from controller.deployment import Deployment, DeploymentConfig
     from router.server import RouterServer
 
     dep = Deployment(DeploymentConfig(engine=engine_config))
@@ -217,7 +217,7 @@ def server(ray_cluster, engine_config, model_path):
 
     async def start():
         # Token-id prompts only: no tokenizer in the router.
-        server = RouterServer(await dep.start(), lambda text: [], model_path)
+        server = RouterServer(await dep.start(), dep.health, lambda text: [], model_path)
         await server.start()
         return server
 

@@ -11,7 +11,7 @@ import openai
 import pytest
 from conftest import ServedStack, assert_no_blocks_held
 
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 
 MODEL = "pdserve-embedded"
 PROMPT = "Prefill processes the prompt and creates state; decode consumes that state"

@@ -6,7 +6,7 @@ import pytest
 from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
 
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):
         grow = asyncio.ensure_future(dep.resize(1, 2))
         during_grow = await traffic("grow", 4)
         assert await grow == (1, 2)
-        assert ("prefill-0", "decode-1") in orchestrator.handshakes  # handshaken before traffic
+        assert ("prefill-0", "decode-1") in dep.health.handshakes  # handshaken before traffic
         in_flight = asyncio.ensure_future(traffic("shrink", 6))
         leaving = dep.decode.members[1]
         for _ in range(300):  # shrink only once the leaving actor has requests to finish

@@ -17,7 +17,7 @@ from kv_transfer.connector_config import TransferConfig
 from messages.errors import DecodeFailedError, NoWorkerError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 
 NUM_REQUESTS = 200
 CONCURRENCY = 12

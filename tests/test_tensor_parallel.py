@@ -20,7 +20,7 @@ from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
 from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_tokens, make_request, reference_run
 
 from router.client import build_request
-from router.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig
 from vllm_engine.config import EngineSizing
 
 TP2 = EngineSizing(tensor_parallel_size=2)

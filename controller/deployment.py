@@ -1,4 +1,8 @@
-"""Bring up the prefill and decode pools as Ray actors and wire them to an orchestrator.
+"""Bring up the prefill and decode pools as Ray actors, keep them healthy, grow and shrink them.
+
+Whoever holds the Deployment owns the actors: the controller actor in `pdserve serve`
+(controller/actor.py), or an in-process router in the demo, tests and benchmarks, which
+then routes with `orchestrator` over the same pools.
 
 Each engine gets its own placement group (one STRICT_PACK bundle: its pool slot plus, on
 GPUs, all TP GPUs of the engine on one node). vLLM's ranks are processes the actor spawns
@@ -23,6 +27,7 @@ from kv_transfer.connector_config import TransferConfig
 from messages.reports import EngineCapacity
 from messages.requests import ModelLimits
 from prefill_worker.actor import PrefillActor
+from controller.health import PoolHealth
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.pools import Member, Pool
 from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
@@ -57,6 +62,9 @@ class DeploymentConfig:
     # 0.5 puts a prefill and a decode engine on one GPU (deploy/gpu_smoke.py), whose
     # gpu_memory_utilization must then add up to less than 1.
     gpus_per_rank: float = 1.0
+    # A leaving engine must stay idle this long before it goes: routers mirroring the
+    # controller's view may learn it is draining a view period late and start one more.
+    drain_quiet_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.num_prefill:
@@ -121,6 +129,7 @@ class Deployment:
         self.config = config
         self.prefill = Pool("prefill")
         self.decode = Pool("decode")
+        self.health = PoolHealth(self.prefill, self.decode)
         self.limits: ModelLimits | None = None
         self.orchestrator: Orchestrator | None = None
         self.capacities: dict[str, EngineCapacity] = {}
@@ -137,8 +146,8 @@ class Deployment:
         members = self.prefill.members + self.decode.members
         await self._ready(members)
         self.limits = await members[0].actor.model_limits.remote()
+        await self.health.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
-        await self.orchestrator.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
         return self.orchestrator
 
     async def resize(
@@ -165,7 +174,7 @@ class Deployment:
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))
         added += self._add(self.decode, num_decode - len(self.decode.members))
         await self._ready(added)
-        await self.orchestrator.refresh(poll_timeout_s=60)
+        await self.health.refresh(poll_timeout_s=60)
         leaving = self.prefill.members[num_prefill:] + self.decode.members[num_decode:]
         for member in leaving:
             member.draining = True
@@ -194,12 +203,18 @@ class Deployment:
             log.info("%s: %s", member.name, capacity.summary())
 
     async def _drain(self, member: Member, timeout_s: float) -> None:
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        quiet_since: float | None = None
+        while loop.time() < deadline:
             load = await member.actor.load.remote()
             idle = not (load.running or load.waiting or load.held_for_transfer)
             if member.outstanding_requests == 0 and idle:
-                break
+                quiet_since = quiet_since or loop.time()
+                if loop.time() - quiet_since >= self.config.drain_quiet_s:
+                    break
+            else:
+                quiet_since = None
             await asyncio.sleep(0.1)
         self._remove(member)
 

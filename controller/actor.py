@@ -1,0 +1,112 @@
+"""The controller: one detached Ray actor that owns the engine pools.
+
+It starts the engines (so they belong to it, not to any router: a router that dies takes
+no engine with it), polls their health and load, pre-warms NIXL handshakes, resizes and
+drains, and publishes a `ClusterView` that every router mirrors. Routers are stateless
+request paths that come and go (router/actor.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from controller.deployment import Deployment, DeploymentConfig
+from messages.membership import ClusterView, MemberState
+from router.pools import Member
+from router.prometheus_targets import write_targets
+
+log = logging.getLogger(__name__)
+
+# One controller per Ray cluster (namespace "pdserve"): a `pdserve serve` that finds it
+# running (its predecessor was killed) serves its pools instead of starting new engines.
+CONTROLLER_NAME = "pdserve-controller"
+
+
+def _state(member: Member) -> MemberState:
+    return MemberState(member.name, member.actor, member.alive, member.draining, member.load, member.capacity)
+
+
+@ray.remote(num_cpus=0, max_concurrency=64)
+class PoolController:
+    def __init__(
+        self, config: DeploymentConfig, health_interval_s: float = 0.5, prometheus_sd_file: str | None = None
+    ) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        self._deployment = Deployment(config)
+        self._health_interval_s = health_interval_s
+        self._sd_file = Path(prometheus_sd_file) if prometheus_sd_file else None
+        self._routers: dict[str, str] = {}  # router name -> its metrics address
+        self._monitor: asyncio.Task[None] | None = None
+        self._resizing = asyncio.Lock()
+
+    async def start(self) -> ClusterView:
+        """Start every engine, handshake every pair, then keep polling them."""
+        await self._deployment.start()
+        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        return self.view()
+
+    def view(self) -> ClusterView:
+        dep = self._deployment
+        if dep.limits is None:
+            raise RuntimeError("the controller is still starting its engines")
+        return ClusterView(
+            tuple(_state(m) for m in dep.prefill.members),
+            tuple(_state(m) for m in dep.decode.members),
+            dep.limits,
+            dep.health.polls,
+        )
+
+    def capacities(self) -> dict[str, str]:
+        return {name: capacity.summary() for name, capacity in self._deployment.capacities.items()}
+
+    async def resize(
+        self, num_prefill: int, num_decode: int, tensor_parallel: tuple[int, int] | None
+    ) -> tuple[int, int]:
+        """One resize at a time, whichever router asked (Admin.ScalePools)."""
+        if self._resizing.locked():
+            raise RuntimeError("a resize is already in progress: retry when it is done")
+        async with self._resizing:
+            return await self._deployment.resize(num_prefill, num_decode, tensor_parallel)
+
+    def register_router(self, name: str, metrics_address: str | None) -> None:
+        """A router's metrics endpoint, listed beside the engines' for Prometheus."""
+        if metrics_address:
+            self._routers[name] = metrics_address
+        else:
+            self._routers.pop(name, None)
+
+    def shutdown(self) -> None:
+        """Stop polling and kill every engine (the caller then kills this actor)."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+        self._deployment.shutdown()
+
+    async def _watch(self) -> None:
+        dep = self._deployment
+        while True:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                await dep.health.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
+                if self._sd_file is not None:
+                    write_targets(self._sd_file, (dep.prefill, dep.decode), self._routers)
+            except Exception:  # keep watching; a failed poll marks members dead
+                log.exception("pool health poll failed")
+
+
+def controller_for(
+    config: DeploymentConfig, name: str = CONTROLLER_NAME, prometheus_sd_file: str | None = None
+) -> tuple[Any, bool]:
+    """The running controller called `name`, or a new detached one (not yet started): it
+    outlives whoever created it and every router, until `shutdown()` and `ray.kill`.
+    Returns (handle, created)."""
+    try:
+        return ray.get_actor(name), False
+    except ValueError:
+        pass
+    handle = PoolController.options(name=name, lifetime="detached")
+    return handle.remote(config, prometheus_sd_file=prometheus_sd_file), True

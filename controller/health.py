@@ -1,0 +1,63 @@
+"""Keeping the pools healthy: poll every engine's load, and pre-warm every new engine's NIXL
+handshake with the other pool before it takes traffic.
+
+Run by whoever owns the pools: the controller actor in `pdserve serve`, or an in-process
+router (demo, tests, benchmarks) that owns its own deployment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator
+
+from messages.requests import GenerateRequest, SamplingConfig
+from router import metrics
+from router.pools import Member, Pool
+
+log = logging.getLogger(__name__)
+
+
+class PoolHealth:
+    def __init__(self, prefill: Pool, decode: Pool) -> None:
+        self.prefill = prefill
+        self.decode = decode
+        # (prefill, decode) actor pairs whose NIXL handshake was done ahead of traffic,
+        # with how long that first transfer took.
+        self.handshakes: dict[tuple[str, str], float] = {}
+        self.polls = 0  # completed refreshes: routers mirroring a view tell new loads by it
+
+    async def refresh(self, poll_timeout_s: float, handshake_timeout_s: float = 30.0) -> None:
+        """Poll both pools. An actor that joins (start-up, restart) first completes its NIXL
+        handshake with every live actor of the other pool, so no user request pays for it."""
+        joining_prefill, joining_decode = await asyncio.gather(
+            self.prefill.refresh_loads(poll_timeout_s), self.decode.refresh_loads(poll_timeout_s)
+        )
+        if self.prefill.members:  # colocated serving has no prefill pool and no transfers
+            decode = [m for m in self.decode.members if m.alive] + joining_decode
+            prefill = [m for m in self.prefill.members if m.alive]
+            pairs = [(p, d) for p in joining_prefill for d in decode] + [(p, d) for p in prefill for d in joining_decode]
+            await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
+        for member in joining_prefill + joining_decode:
+            member.alive = True
+        self.polls += 1
+        metrics.observe_pool(self.prefill)
+        metrics.observe_pool(self.decode)
+
+    async def _handshake(self, prefill: Member, decode: Member, timeout_s: float) -> None:
+        request_id = f"handshake-{prefill.name}-{decode.name}-{time.monotonic_ns()}"
+        request = GenerateRequest(request_id, tuple(range(1, 17)), SamplingConfig(max_tokens=1))
+        started = time.perf_counter()
+        try:
+            result = await asyncio.wait_for(prefill.actor.prefill.remote(request), timeout_s)
+            await asyncio.wait_for(_drain(decode.actor.generate.remote(request, result.handle)), timeout_s)
+        except Exception:  # a peer that cannot handshake now will on its first request
+            log.warning("pre-warm handshake %s -> %s failed", prefill.name, decode.name, exc_info=True)
+            return
+        self.handshakes[(prefill.name, decode.name)] = time.perf_counter() - started
+
+
+async def _drain(stream: AsyncIterator) -> None:
+    async for ref in stream:
+        await ref

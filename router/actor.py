@@ -1,0 +1,104 @@
+"""A router as a Ray actor: a stateless request path in front of the controller's pools.
+
+`pdserve serve --routers N` starts N of them; on one host they share the listening port
+(SO_REUSEPORT: the kernel spreads connections over them), on several nodes each listens
+on its own. A router that dies takes only its own streams: the controller owns the
+engines, each decode actor aborts the requests of a feed whose router is gone, and a
+prefill's blocks go back at the end of their lease. A new router can join at any time.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from router.orchestrator import Orchestrator, RouterPolicy
+from router.server import FrontDoorConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    model: str  # as `--model` gave it: "embedded" is built on the router's own node
+    listen: str = "127.0.0.1:0"
+    front: FrontDoorConfig = field(default_factory=FrontDoorConfig)
+    policy: RouterPolicy = field(default_factory=RouterPolicy)
+    http: str | None = None  # also serve the OpenAI API here
+    served_model_name: str | None = None
+    metrics_host: str | None = None  # serve this router's metrics on this host
+    metrics_port: int = 0  # 0: a free port (the controller lists it for Prometheus)
+    health_interval_s: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class RouterAddresses:
+    grpc: str
+    http: str | None
+    metrics: str | None
+
+
+@ray.remote(num_cpus=0, max_concurrency=16)
+class RouterActor:
+    def __init__(self, name: str, controller: Any, settings: RouterSettings) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        self._name = name
+        self._controller = controller
+        self._settings = settings
+        self._server: Any = None
+        self._http: Any = None
+
+    async def serve(self) -> RouterAddresses:
+        from prometheus_client import start_http_server
+        from transformers import AutoTokenizer
+
+        from router.mirror import ControllerMirror
+        from router.server import RouterServer
+        from vllm_engine.config import resolve_model
+
+        s = self._settings
+        model = resolve_model(s.model)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        controller = self._controller
+        view = await controller.view.remote()
+        mirror = ControllerMirror(controller, view)
+        orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy)
+
+        async def scale(prefill: int, decode: int, tp: tuple[int, int] | None) -> tuple[int, int]:
+            try:
+                return await controller.resize.remote(prefill, decode, tp)
+            except ray.exceptions.RayTaskError as err:  # the controller's refusal, without Ray's traceback
+                raise err.cause from None
+
+        self._server = RouterServer(
+            orchestrator, mirror, tokenizer.encode, model, s.listen, s.health_interval_s, scale, s.front
+        )
+        await self._server.start()
+        http = metrics = None
+        if s.http:
+            from router.openai_http import HTTPServer, openai_front_for
+
+            front = openai_front_for(self._server, tokenizer, s.served_model_name or s.model)
+            self._http = HTTPServer(front, s.http, s.front.tls, reuse_port=True)
+            await self._http.start()
+            http = self._http.address
+        if s.metrics_host:
+            server, _ = start_http_server(s.metrics_port, addr=s.metrics_host)
+            metrics = f"{s.metrics_host}:{server.server_port}"
+        await controller.register_router.remote(self._name, metrics)
+        return RouterAddresses(self._server.address, http, metrics)
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Stop admitting, let live streams finish for up to `timeout_s`, stop."""
+        finished = await self._server.drain(timeout_s)
+        if self._http is not None:
+            await self._http.stop()
+        await self._controller.register_router.remote(self._name, None)
+        return finished
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,0 +1,81 @@
+"""The router tier of `pdserve serve`: N router actors in front of one controller, kept at N.
+
+Routers on one host share the gRPC (and HTTP) port: the first binds the configured
+address, the others the port it got. Each has a slot: slot i serves its metrics on
+--metrics-port + i. A router that dies is replaced in its slot by a new one; the other
+routers' streams are not touched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import uuid
+from typing import Any
+
+import ray
+
+from router.actor import RouterActor, RouterAddresses, RouterSettings
+
+log = logging.getLogger(__name__)
+
+
+class RouterTier:
+    def __init__(self, controller: Any, settings: RouterSettings, check_interval_s: float = 2.0) -> None:
+        self._controller = controller
+        self._settings = settings
+        self._check_interval_s = check_interval_s
+        self.routers: dict[int, tuple[Any, RouterAddresses]] = {}  # slot -> actor, addresses
+        self._started = 0
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self, count: int) -> list[RouterAddresses]:
+        if count < 1:
+            raise ValueError(f"--routers {count}: at least one router must take traffic")
+        first = await self._add(0)
+        # The others bind the ports the first one got (a listen port of 0 picks a free one).
+        self._settings = dataclasses.replace(self._settings, listen=first.grpc, http=first.http)
+        for slot in range(1, count):
+            await self._add(slot)
+        self._watch = asyncio.get_running_loop().create_task(self._keep_count())
+        return [addresses for _, addresses in self.routers.values()]
+
+    async def _add(self, slot: int) -> RouterAddresses:
+        s = self._settings
+        settings = dataclasses.replace(s, metrics_port=s.metrics_port + slot) if s.metrics_port else s
+        name = f"router-{self._started}"
+        self._started += 1
+        actor = RouterActor.options(name=f"pdserve-{name}-{uuid.uuid4().hex[:6]}", scheduling_strategy="SPREAD").remote(
+            name, self._controller, settings
+        )
+        addresses = await actor.serve.remote()
+        self.routers[slot] = (actor, addresses)
+        log.info("%s serves gRPC on %s", name, addresses.grpc)
+        return addresses
+
+    async def _keep_count(self) -> None:
+        while True:
+            await asyncio.sleep(self._check_interval_s)
+            for slot, (actor, _) in list(self.routers.items()):
+                try:
+                    await asyncio.wait_for(actor.pid.remote(), 10)
+                except (ray.exceptions.RayActorError, TimeoutError):
+                    log.warning("router in slot %d is gone: starting one in its place", slot)
+                    del self.routers[slot]
+                    try:
+                        await self._add(slot)
+                    except Exception:
+                        log.exception("could not start a replacement router; retrying")
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Every router stops admitting and lets its streams finish; True if all did in time."""
+        if self._watch is not None:
+            self._watch.cancel()
+        finished = await asyncio.gather(
+            *(actor.drain.remote(timeout_s) for actor, _ in self.routers.values()), return_exceptions=True
+        )
+        for actor, _ in self.routers.values():
+            ray.kill(actor, no_restart=True)
+        self.routers.clear()
+        return all(f is True for f in finished)
