@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +145,30 @@ class PerformanceModel:
 
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
+
+    def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> PerformanceModel:
+        """This model with every prefill time x `prefill` and every decode step x `decode` (the
+        knee stays): the closed-loop planner's correction for observed against predicted
+        latency. Transfer and the serving path are left alone: no router measurement isolates them."""
+        if prefill <= 0 or decode <= 0:
+            raise ValueError(f"scale factors must be positive, got prefill {prefill}, decode {decode}")
+        p, d = self.prefill, self.decode
+        return replace(
+            self,
+            prefill=replace(
+                p,
+                fixed_s=p.fixed_s * prefill,
+                per_token_s=p.per_token_s * prefill,
+                per_token_pair_s=p.per_token_pair_s * prefill,
+            ),
+            decode=replace(
+                d,
+                fixed_s=d.fixed_s * decode,
+                per_sequence_s=d.per_sequence_s * decode,
+                per_context_token_s=d.per_context_token_s * decode,
+                compute_per_sequence_s=d.compute_per_sequence_s * decode,
+            ),
+        )
 
     @classmethod
     def from_probe(cls, probe: dict[str, Any], transfer: TransferCost | None = None) -> PerformanceModel:

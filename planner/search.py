@@ -14,6 +14,7 @@ busier pool's bound, `capacity_bound`) is never reported, whatever the finite ru
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -200,3 +201,31 @@ def _split_candidates(
 def search(model: PerformanceModel, workload: Workload, slo: SLO, space: SearchSpace) -> SearchResult:
     candidates = [c for prefill in space.splits() for c in _split_candidates(model, workload, slo, space, prefill)]
     return SearchResult(slo, space, tuple(candidates))
+
+
+def best_of(
+    model: PerformanceModel,
+    workload: Workload,
+    slo: SLO,
+    placements: Sequence[Placement],
+    incumbent: Placement,
+    gpus_per_instance: int = 1,
+) -> tuple[Candidate, Candidate]:
+    """The incumbent's candidate and the best among it and `placements` (the incumbent unless
+    one beats it strictly): what a planner needs, without the whole table. A placement is
+    simulated only while its capacity bound exceeds the best goodput found so far, since
+    goodput never exceeds capacity; highest capacity first, so the likely winner raises the
+    bar early and most of the others are never simulated."""
+
+    def evaluate(placement: Placement) -> Candidate:
+        return max_goodput(model, placement, workload, slo, placement.instances * gpus_per_instance)
+
+    mine = best = evaluate(incumbent)
+    bounds = [(capacity_bound(model, p, workload).rate_rps, p) for p in placements if p != incumbent]
+    for bound, placement in sorted(bounds, key=lambda pair: -pair[0]):
+        if bound <= best.goodput_rps:
+            break  # in decreasing order: none of the rest can win either
+        candidate = evaluate(placement)
+        if candidate.goodput_rps > best.goodput_rps:
+            best = candidate
+    return mine, best

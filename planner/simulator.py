@@ -96,6 +96,12 @@ class Lengths:
         return np.maximum(1, np.rint(values)).astype(np.int64)
 
 
+def _unit_poisson(rng: np.random.Generator, count: int) -> np.ndarray:
+    """A Poisson process conditioned on `count` arrivals in [0, count): sorted uniforms (as
+    bench.loadgen does), so the realised rate is the nominal one."""
+    return np.sort(rng.uniform(0.0, count, count))
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Workload:
     """Requests with arrival times at a mean rate of 1 req/s; `arrivals(rate)` rescales them,
@@ -109,11 +115,21 @@ class Workload:
 
     @classmethod
     def poisson(cls, count: int, prompt: Lengths, output: Lengths, seed: int = 0) -> Workload:
-        # Poisson process conditioned on `count` arrivals in [0, count): sorted uniforms (as
-        # bench.loadgen does), so the realised rate is the nominal one.
         rng = np.random.default_rng(seed)
-        arrivals = np.sort(rng.uniform(0.0, count, count))
+        arrivals = _unit_poisson(rng, count)
         return cls(arrivals, prompt.sample(rng, count), output.sample(rng, count))
+
+    @classmethod
+    def resample(cls, prompt_tokens: np.ndarray, output_tokens: np.ndarray, count: int, seed: int = 0) -> Workload:
+        """`count` Poisson arrivals whose (prompt, output) pairs are drawn with replacement from
+        observed ones: an empirical length mix, the correlation between the two lengths kept."""
+        if len(prompt_tokens) != len(output_tokens) or not len(prompt_tokens):
+            raise ValueError("resample needs as many prompt as output lengths, and at least one pair")
+        rng = np.random.default_rng(seed)
+        arrivals = _unit_poisson(rng, count)
+        picks = rng.integers(0, len(prompt_tokens), count)
+        prompt, output = (np.asarray(tokens, dtype=np.int64)[picks] for tokens in (prompt_tokens, output_tokens))
+        return cls(arrivals, prompt, output)
 
     @classmethod
     def trace(cls, rows: Iterable[tuple[float, int, int]]) -> Workload:
@@ -389,3 +405,22 @@ def simulate(model: PerformanceModel, placement: Placement, workload: Workload, 
     decode_pool = [_DecodeInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
     _dispatch(decode_pool, sorted(arrivals, key=ready.__getitem__), ready)
     return requests.timeline(decode_pool, model.serving_overhead_s)
+
+
+def simulate_at(
+    model: PerformanceModel,
+    placement: Placement,
+    arrival_s: np.ndarray,
+    prompt_tokens: np.ndarray,
+    output_tokens: np.ndarray,
+) -> Timeline:
+    """Requests at their own arrival times (seconds, sorted) on a cluster empty at the first
+    arrival: an observed window replayed as it came. The timeline counts from that arrival."""
+    arrival = np.asarray(arrival_s, dtype=float)
+    if not len(arrival) or (np.diff(arrival) < 0).any():
+        raise ValueError("simulate_at needs at least one request, arrival times sorted")
+    span = float(arrival[-1] - arrival[0])
+    # The offered rate (it sets CPU engines' host slowdown); any rate when all arrive at once.
+    rate = len(arrival) / span if span > 0 else 1.0
+    workload = Workload((arrival - arrival[0]) * rate, np.asarray(prompt_tokens), np.asarray(output_tokens))
+    return simulate(model, placement, workload, rate)
