@@ -10,10 +10,11 @@ a batch goes out as soon as the step's outputs are in, whatever their number.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from messages.results import LegEvent, TokenChunk
+from messages.results import FEED_TIMEOUT_S, LegEvent, TokenChunk
 
 
 @dataclass(slots=True)
@@ -22,6 +23,8 @@ class _Feed:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     legs: set[str] = field(default_factory=set)
     streaming: bool = False  # its subscriber is reading it
+    renewed_at: float = field(default_factory=time.monotonic)
+    expired: bool = False  # not renewed in time: its subscriber is gone
 
     def put(self, event: LegEvent) -> None:
         self.pending.append(event)
@@ -31,20 +34,28 @@ class _Feed:
 class FeedHub:
     """The feeds of one decode worker, and the requests ("legs") each one carries."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = FEED_TIMEOUT_S) -> None:
         self._feeds: dict[str, _Feed] = {}
         self._legs: dict[str, asyncio.Task[None]] = {}
         self._closed: set[str] = set()  # subscribers whose feed ended: nobody would read theirs
+        self._timeout_s = timeout_s
+        self._reaper: asyncio.Task[None] | None = None
 
     async def stream(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
-        """The batches for `subscriber` until it closes the feed (or dies: Ray cancels this
-        task then), which also aborts every request it still has here."""
+        """The batches for `subscriber` until it closes the feed, or stops renewing it (it
+        died: Ray does not cancel a dead caller's stream), which also aborts every request
+        it still has here."""
         feed = self._feeds.setdefault(subscriber, _Feed())
         feed.streaming = True
+        feed.renewed_at = time.monotonic()
+        if self._reaper is None or self._reaper.done():
+            self._reaper = asyncio.get_running_loop().create_task(self._expire_unrenewed())
         try:
             while True:
                 await feed.ready.wait()
                 feed.ready.clear()
+                if feed.expired:
+                    return
                 batch, feed.pending = feed.pending, []
                 yield batch
         finally:
@@ -52,6 +63,20 @@ class FeedHub:
             self._feeds.pop(subscriber, None)
             for leg_id in list(feed.legs):
                 self.abort(leg_id)
+
+    def renew(self, subscriber: str) -> None:
+        feed = self._feeds.get(subscriber)
+        if feed is not None:
+            feed.renewed_at = time.monotonic()
+
+    async def _expire_unrenewed(self) -> None:
+        while self._feeds:
+            await asyncio.sleep(self._timeout_s / 10)
+            deadline = time.monotonic() - self._timeout_s
+            for feed in list(self._feeds.values()):
+                if feed.streaming and feed.renewed_at < deadline:
+                    feed.expired = True
+                    feed.ready.set()
 
     def start(self, subscriber: str, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
         """Pump one request's chunks into its subscriber's feed."""

@@ -89,6 +89,10 @@ class DecodeWorker(EngineWorker):
     def abort_leg(self, request_id: str) -> None:
         self._feeds.abort(request_id)
 
+    def renew_feed(self, subscriber: str) -> None:
+        """The subscriber is alive: keep its feed (and requests) going."""
+        self._feeds.renew(subscriber)
+
     def _admit(self, request: GenerateRequest, handle: TransferHandle | None) -> AsyncIterator[TokenChunk]:
         """Check the request now; its tokens stream when the result is iterated."""
         from vllm.sampling_params import RequestOutputKind

@@ -21,6 +21,13 @@ class TokenChunk:
     produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
 
 
+# A decode feed is a lease: its router renews it every FEED_RENEW_S; one not renewed for
+# FEED_TIMEOUT_S (the router died: Ray does not cancel a dead caller's stream) ends, and
+# the decode engine aborts every request still on it.
+FEED_TIMEOUT_S = 10.0
+FEED_RENEW_S = 1.0
+
+
 @dataclass(frozen=True, slots=True)
 class LegEvent:
     """One request's news in a decode feed's batch: its new tokens, or the error that ended

@@ -10,14 +10,16 @@ from typing import Any
 
 import ray
 
-from messages.results import LegEvent
+from messages.results import FEED_RENEW_S, LegEvent
 
 log = logging.getLogger(__name__)
 
 
 class DecodeFeed:
     """This router's feed from one decode actor. Each request reads its own queue of
-    LegEvents; if the feed breaks (the actor died), every request on it gets the error."""
+    LegEvents; if the feed breaks (the actor died), every request on it gets the error.
+    While it runs, the router renews it: a feed left unrenewed (its router died) ends on
+    the actor, with every request on it."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -26,6 +28,7 @@ class DecodeFeed:
         self._stream = actor.feed.remote(self.subscriber)
         self._loop = asyncio.get_running_loop()
         self._pump: asyncio.Task[None] = self._loop.create_task(self._run())
+        self._renewal: asyncio.Task[None] = self._loop.create_task(self._renew())
 
     @property
     def usable(self) -> bool:
@@ -44,7 +47,13 @@ class DecodeFeed:
 
     def close(self) -> None:
         """End the feed on the actor too, which aborts any request still on it."""
+        self._renewal.cancel()
         ray.cancel(self._stream)
+
+    async def _renew(self) -> None:
+        while not self._pump.done():
+            self.actor.renew_feed.remote(self.subscriber)  # no reply needed: a lost one is renewed next time
+            await asyncio.sleep(FEED_RENEW_S)
 
     async def _run(self) -> None:
         try:

@@ -173,7 +173,7 @@ class Orchestrator:
     def _feed(self, member: Member) -> DecodeFeed:
         """This router's feed from `member`, reopened after the actor restarted."""
         feed = self._feeds.get(member.name)
-        if feed is None or not feed.usable or feed.actor is not member.actor:
+        if feed is None or not feed.usable or feed.actor != member.actor:
             if feed is not None:
                 feed.close()
             feed = self._feeds[member.name] = DecodeFeed(member.actor)

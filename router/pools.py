@@ -135,8 +135,7 @@ class Pool:
         known = {m.name: m for m in self.members}
         members = []
         for state in states:
-            member = known.get(state.name) or Member(state.name, state.actor)
-            member.actor = state.actor
+            member = known.get(state.name) or Member(state.name, state.actor)  # names are never reused
             member.alive, member.draining, member.capacity = state.alive, state.draining, state.capacity
             member.engine_id = state.load.engine_id if state.load else member.engine_id
             if new_poll:

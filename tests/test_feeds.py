@@ -85,3 +85,32 @@ def test_a_request_for_a_feed_nobody_reads_leaves_nothing_behind():
 
     hub, closed = asyncio.run(scenario())
     assert closed == ["r1"] and not hub._feeds and not hub._legs
+
+
+def test_a_feed_left_unrenewed_ends_and_aborts_its_requests():
+    """Ray does not cancel a dead router's stream: the lease on the feed ends it."""
+
+    async def scenario():
+        hub, never, closed = FeedHub(timeout_s=0.2), asyncio.Event(), []
+        kept, lost = hub.stream("router-alive"), hub.stream("router-dead")
+        kept_next, lost_next = asyncio.ensure_future(anext(kept)), asyncio.ensure_future(anext(lost))
+        await asyncio.sleep(0)
+        hub.start("router-alive", "r-alive", _tokens(never, 5, closed, "r-alive"))
+        hub.start("router-dead", "r-dead", _tokens(never, 5, closed, "r-dead"))
+        for _ in range(8):  # only one subscriber renews
+            await asyncio.sleep(0.05)
+            hub.renew("router-alive")
+        ended = await asyncio.gather(lost_next, return_exceptions=True)
+        await asyncio.sleep(0.01)
+        aborted, alive = list(closed), not kept_next.done()
+        with pytest.raises(ConnectionError, match="has ended"):
+            hub.start("router-dead", "r-late", _tokens(never, 1, closed, "r-late"))
+        kept_next.cancel()
+        await asyncio.gather(kept_next, return_exceptions=True)
+        await kept.aclose()
+        return ended, aborted, alive
+
+    ended, aborted, alive = asyncio.run(scenario())
+    assert isinstance(ended[0], StopAsyncIteration)  # the unrenewed feed ended
+    assert aborted == ["r-dead"]  # with its request; the renewed one goes on
+    assert alive

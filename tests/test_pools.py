@@ -79,3 +79,37 @@ def test_a_dead_actor_leaves_rotation_at_the_first_poll():
 def test_a_restarted_engine_rejoins_through_the_caller():
     pool = _pool(dataclasses.replace(LOAD, engine_id="e2"))
     assert _poll(pool) == pool.members and not pool.members[0].alive  # until handshaken
+
+
+def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int = 4, requests: int = 40) -> int:
+    """Long-lived requests arriving at random routers that each pick on their own; every
+    `reports_every` arrivals each router gets the engines' load reports (None: never).
+    Returns the spread (max - min) of the requests the actors end up with."""
+    import random
+
+    rng = random.Random(seed)
+    random.seed(seed)  # each pool's tie-break start: deterministic here
+    pools = [Pool("decode", [Member(f"decode-{i}", None, alive=True) for i in range(actors)]) for _ in range(routers)]
+    for arrival in range(requests):
+        if reports_every and arrival % reports_every == 0:
+            truth = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
+            for pool in pools:
+                for member, running in zip(pool.members, truth):
+                    member.record_load(dataclasses.replace(LOAD, running=running))
+        pool = pools[rng.randrange(routers)]
+        pool.pick_decode().outstanding_requests += 1
+    totals = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
+    return max(totals) - min(totals)
+
+
+def test_routers_picking_alone_unbalance_the_pool_and_load_reports_even_it():
+    """8 routers, 4 decode actors, 32 long requests: each router balances its own few
+    requests, but not the sum. With the engines' load reports (running + waiting: every
+    router's requests) arriving every 2 arrivals (a 0.5 s poll at 4 req/s), the spread
+    stays within 2."""
+    alone = [_route(None, seed, routers=8, requests=32) for seed in range(100)]
+    reported = [_route(2, seed, routers=8, requests=32) for seed in range(100)]
+    print(f"spread of requests over 4 actors: routers alone mean {sum(alone) / 100:.2f} max {max(alone)}; "
+          f"with load reports mean {sum(reported) / 100:.2f} max {max(reported)}")
+    assert max(alone) >= 5 and sum(alone) / 100 > 2
+    assert max(reported) <= 2 and sum(reported) / 100 < sum(alone) / 100 / 2

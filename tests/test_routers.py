@@ -1,0 +1,190 @@
+"""Several routers in front of one controller, with real engines, Ray, NIXL and gRPC:
+streams through both are correct, killing one router (kill -9) mid-stream leaves the
+other's streams intact and no blocks held, the controller and engines outlive it, a new
+router joins, and routers that pick independently still balance the decode pool."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import uuid
+
+import grpc
+import pytest
+from conftest import run, stream_tokens, wait_until
+from reference import PROMPTS
+
+from router.client import build_request
+
+LEASE_S = 6
+LONG = 2000  # tokens: a stream that outlives the test unless it is aborted
+
+
+@pytest.fixture(scope="module")
+def controller(ray_cluster, engine_config):
+    from controller.actor import controller_for
+    from controller.deployment import DeploymentConfig
+    from kv_transfer.connector_config import TransferConfig
+
+    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=LEASE_S), num_decode=2)
+    handle, created = controller_for(config, f"test-controller-{uuid.uuid4().hex[:6]}")
+    assert created
+    ray_cluster.get(handle.start.remote())
+    yield handle
+    ray_cluster.get(handle.shutdown.remote())
+    ray_cluster.kill(handle, no_restart=True)
+
+
+def _router(controller, model_path, name):
+    import ray
+
+    from router.actor import RouterActor, RouterSettings
+
+    actor = RouterActor.remote(name, controller, RouterSettings(model=model_path, health_interval_s=0.2))
+    return actor, ray.get(actor.serve.remote()).grpc
+
+
+@pytest.fixture
+def routers(ray_cluster, controller, model_path):
+    made = [_router(controller, model_path, name) for name in ("router-a", "router-b")]
+    yield made
+    for actor, _ in made:
+        ray_cluster.kill(actor, no_restart=True)
+
+
+def _engines_idle(ray, controller) -> bool:
+    view = ray.get(controller.view.remote())
+    loads = ray.get([m.actor.load.remote() for m in view.prefill + view.decode])
+    return all(
+        not (load.running or load.waiting or load.held_for_transfer) and load.free_blocks == load.total_blocks
+        for load in loads
+    )
+
+
+async def _open_stream(address: str, prompt: str, request_id: str, max_tokens: int):
+    """Start a stream; returns once its first chunk is in, with a task that finishes it."""
+    channel = grpc.aio.insecure_channel(address)
+    request = build_request(list(PROMPTS[prompt]), request_id, max_tokens=max_tokens, ignore_eos=True)
+    from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+    call = pb_grpc.GenerationStub(channel).Generate(request)
+    responses = call.__aiter__()
+    first = await anext(responses)
+
+    async def rest():
+        tokens = list(first.chunk.token_ids)
+        try:
+            async for response in responses:
+                if response.HasField("chunk"):
+                    tokens.extend(response.chunk.token_ids)
+                else:
+                    return tokens, response.final
+            return tokens, None
+        finally:
+            await channel.close()
+
+    return call, asyncio.ensure_future(rest())
+
+
+def test_streams_through_both_routers_equal_the_reference(routers, reference):
+    names = ["short", "over_one_block", "x", "y"]
+
+    async def both():
+        async def one(address, name, i):
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = build_request(list(PROMPTS[name]), f"two-{i}", max_tokens=len(reference[name].tokens), ignore_eos=True)
+                return await stream_tokens(channel, request)
+
+        return await asyncio.gather(*(one(routers[i % 2][1], name, i) for i, name in enumerate(names)))
+
+    for name, (tokens, _, final) in zip(names, run(both())):
+        decisive = reference[name].decisive
+        assert tokens[: len(decisive)] == decisive and final.finish_reason == "length"
+
+
+def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_cluster, controller, routers, reference, model_path):
+    (victim, victim_address), (survivor, survivor_address) = routers
+    before = ray_cluster.get(controller.view.remote())
+    survivor_tokens = 150
+
+    async def scenario():
+        doomed = [await _open_stream(victim_address, "over_one_block", f"doomed-{i}", LONG) for i in range(2)]
+        kept = [await _open_stream(survivor_address, name, f"kept-{name}", survivor_tokens) for name in ("x", "y")]
+        os.kill(await victim.pid.remote(), signal.SIGKILL)
+        for _, finishing in doomed:
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                await finishing
+            assert lost.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        return [await finishing for _, finishing in kept]
+
+    for name, (tokens, final) in zip(("x", "y"), run(scenario())):
+        decisive = reference[name].decisive
+        assert final is not None and final.finish_reason == "length" and len(tokens) == survivor_tokens
+        assert tokens[: len(decisive)] == decisive
+    # The dead router's two streams (2,000 tokens each) were aborted on the decode engine,
+    # not left to run; any prefill blocks went back within the lease.
+    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), "blocks still held"
+
+    after = ray_cluster.get(controller.view.remote())  # the controller outlived the router
+    assert [(m.name, m.load.engine_id) for m in after.prefill + after.decode] == [
+        (m.name, m.load.engine_id) for m in before.prefill + before.decode
+    ]  # same engines, none restarted: no router owns them
+    assert all(m.alive for m in after.prefill + after.decode)
+
+    newcomer, address = _router(controller, model_path, "router-c")  # a new router joins
+    try:
+        async def through_newcomer():
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
+                return await stream_tokens(channel, request)
+
+        tokens, _, final = run(through_newcomer())
+        assert tokens == reference["short"].tokens[:8] or len(tokens) == 8
+        assert final.finish_reason == "length"
+    finally:
+        ray_cluster.kill(newcomer, no_restart=True)
+
+
+def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
+    """Router A starts 3 streams, then router B starts 3: B sees A's streams in the engines'
+    load reports (through the controller's view) and evens the pool out. Picking on its own
+    in-flight counts alone, B would send 2 of its 3 to one engine half of the time
+    (tests/test_pools.py measures that imbalance without engines)."""
+    (a, a_address), (b, b_address) = routers
+
+    async def scenario():
+        streams = [await _open_stream(a_address, "short", f"bal-a-{i}", LONG) for i in range(3)]
+        await asyncio.sleep(1.5)  # a controller poll (0.5 s) and a router refresh (0.2 s)
+        streams += [await _open_stream(b_address, "short", f"bal-b-{i}", LONG) for i in range(3)]
+        view = await controller.view.remote()
+        loads = [await m.actor.load.remote() for m in view.decode]
+        for call, finishing in streams:
+            call.cancel()
+            finishing.cancel()
+        return [load.running + load.waiting for load in loads]
+
+    counts = run(scenario())
+    assert sum(counts) == 6 and max(counts) - min(counts) <= 1, counts
+    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), "cancelled streams left blocks"
+
+
+def test_routers_on_one_host_share_the_port(ray_cluster, controller, model_path):
+    from router.actor import RouterSettings
+    from router.tier import RouterTier
+
+    async def scenario():
+        tier = RouterTier(controller, RouterSettings(model=model_path, health_interval_s=0.2))
+        try:
+            addresses = await tier.start(2)
+            assert addresses[0].grpc == addresses[1].grpc  # SO_REUSEPORT: one address, two routers
+            pids = {await actor.pid.remote() for actor, _ in tier.routers.values()}
+            assert len(pids) == 2
+            async with grpc.aio.insecure_channel(addresses[0].grpc) as channel:
+                request = build_request(list(PROMPTS["short"]), "shared-port", max_tokens=4, ignore_eos=True)
+                tokens, _, final = await stream_tokens(channel, request)
+            assert len(tokens) == 4 and final.finish_reason == "length"
+        finally:
+            assert await tier.drain(5)
+
+    run(scenario())
