@@ -251,13 +251,16 @@ async def _send(
 
 
 async def run_workload(
-    channel: grpc.aio.Channel,
+    channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
     specs: Sequence[RequestSpec],
     config: LoadConfig,
     label: str,
     rate: float | None,
     metadata: tuple[tuple[str, str], ...] = (),
 ) -> RunReport:
+    """`channel`: one connection, or several that requests take in turn (routers sharing a
+    port with SO_REUSEPORT are balanced per connection, so one connection reaches one)."""
+    channels = [channel] if isinstance(channel, grpc.aio.Channel) else list(channel)
     specs = specs[: config.num_requests]
     prompts = [prompt_ids(s, config.seed) for s in specs]  # built before the clock starts
     run_id = f"lg-{uuid.uuid4().hex[:8]}"
@@ -265,11 +268,12 @@ async def run_workload(
     deadline = started + config.time_limit_s
     tasks: list[asyncio.Task[RequestRecord]] = []
     with tqdm(total=len(specs), desc=label, unit="req", file=sys.stderr, disable=not config.progress) as bar:
-        for spec, prompt in zip(specs, prompts):
+        for i, (spec, prompt) in enumerate(zip(specs, prompts)):
             if spec.arrival_s >= config.time_limit_s:
                 break
             await asyncio.sleep(started + spec.arrival_s - time.perf_counter())
-            task = asyncio.create_task(_send(channel, spec, prompt, run_id, started, deadline, metadata))
+            connection = channels[i % len(channels)]
+            task = asyncio.create_task(_send(connection, spec, prompt, run_id, started, deadline, metadata))
             task.add_done_callback(lambda _: bar.update())
             tasks.append(task)
         records = list(await asyncio.gather(*tasks))

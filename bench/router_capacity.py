@@ -1,19 +1,22 @@
 """Where the serving stack's CPU goes per streamed token, measured with the real engines.
 
-Starts `pdserve serve` (a real router process, 1 prefill + 2 decode actors by default),
-streams C concurrent gRPC requests of T tokens through it, and reads the process CPU time
-(user + system) of the router process and of each decode actor before and after. Prints
-CPU milliseconds per streamed token for the router process and for the decode actor
-processes, and how much of the latter is outside the engine step (the engines' own
+Starts `pdserve serve` (a controller, N router actors, 1 prefill + 2 decode actors by
+default), streams C concurrent gRPC requests of T tokens through it (one connection per
+stream, so routers sharing the port all get some), and reads the process CPU time (user +
+system) of the router processes and of each decode actor before and after. Prints CPU
+milliseconds per streamed token for the routers and for the decode actor processes, and how
+much of the latter is outside the engine step (the engines' own
 `pdserve_engine_step_cpu_seconds_total`, scraped through `--prometheus-sd-file`).
 
     python -m bench.router_capacity [--streams 16] [--tokens 128] [--rounds 3]
-                                    [--worker-niceness 15 0]
+                                    [--worker-niceness 15 0] [--routers 1 2 [--router-cpu 0.05]]
 
-The router's CPU is also split by thread: Python's main thread (asyncio: gRPC handlers,
+The routers' CPU is also split by thread: Python's main thread (asyncio: gRPC handlers,
 orchestrator, protobuf) apart from Ray's C++ IO thread and gRPC's pollers. With
-`--worker-niceness A B` one server per value runs, their rounds interleaved, and the ratios
-are printed.
+`--worker-niceness A B` or `--routers A B` one server per value runs, their rounds
+interleaved, and the ratios are printed. `--router-cpu F` caps every router process at F
+of a core (a CPU cgroup each): the router is then the bottleneck, which shows how tokens/s
+grows with the number of routers when the engines are not what limits it.
 """
 
 from __future__ import annotations
@@ -92,11 +95,43 @@ def _cpu_by_thread(process: psutil.Process) -> dict[str, float]:
     return totals
 
 
-def _decode_actors(router: psutil.Process) -> list[psutil.Process]:
-    """This cluster's decode actors: Ray names worker processes after the actor class."""
-    mine = {c.pid for c in router.children(recursive=True)}
+def _actors(serve: psutil.Process, actor_class: str) -> list[psutil.Process]:
+    """This cluster's actors of one class: Ray names worker processes after the actor class."""
+    mine = {c.pid for c in serve.children(recursive=True)}
     processes = psutil.process_iter(["pid", "cmdline"])
-    return [p for p in processes if p.pid in mine and "DecodeActor" in " ".join(p.info["cmdline"] or [])]
+    return [p for p in processes if p.pid in mine and actor_class in " ".join(p.info["cmdline"] or [])]
+
+
+class _CpuCap:
+    """A CPU cgroup per process holding it to `fraction` of a core (cgroup v1 or v2)."""
+
+    def __init__(self, fraction: float) -> None:
+        self.fraction = fraction
+        v1 = Path("/sys/fs/cgroup/cpu")
+        self._root = v1 if (v1 / "cpu.cfs_quota_us").exists() else Path("/sys/fs/cgroup")
+        self._groups: list[Path] = []
+
+    def apply(self, process: psutil.Process) -> None:
+        group = self._root / f"pdserve-bench-{process.pid}"
+        try:
+            group.mkdir(exist_ok=True)
+            period = 100_000
+            if self._root.name == "cpu":
+                (group / "cpu.cfs_period_us").write_text(str(period))
+                (group / "cpu.cfs_quota_us").write_text(str(int(self.fraction * period)))
+            else:
+                (group / "cpu.max").write_text(f"{int(self.fraction * period)} {period}")
+            (group / "cgroup.procs").write_text(str(process.pid))
+        except OSError as err:
+            raise SystemExit(f"--router-cpu needs a writable CPU cgroup ({group}: {err}); run without it") from None
+        self._groups.append(group)
+
+    def release(self) -> None:
+        for group in self._groups:
+            for pid in (group / "cgroup.procs").read_text().split():
+                (self._root / "cgroup.procs").write_text(pid)
+            group.rmdir()
+        self._groups.clear()
 
 
 async def _wait_ready(target: str, timeout_s: float) -> None:
@@ -117,9 +152,15 @@ async def _wait_ready(target: str, timeout_s: float) -> None:
 
 async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float, LatencySummary]:
     specs = synthetic_workload(1e6, config.num_requests, config.profile, seed)  # all at once
-    async with grpc.aio.insecure_channel(target) as channel:
+    # One connection per stream: gRPC shares one between channels to the same target unless
+    # each has its own subchannel pool.
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(target, options=options) for _ in specs]
+    try:
         started = time.perf_counter()
-        report = await run_workload(channel, specs, config, "round", None)
+        report = await run_workload(channels, specs, config, "round", None)
+    finally:
+        await asyncio.gather(*(channel.close() for channel in channels))
     if report.summary.completed != len(specs):
         raise RuntimeError(f"{len(specs) - report.summary.completed} of {len(specs)} streams failed")
     tokens = sum(len(r.token_times_s) for r in report.requests)
@@ -128,12 +169,15 @@ async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float
 
 class _Server:
     """One `pdserve serve` process (its own local cluster); `niceness`: its engines' nice
-    value (Ray's RAY_worker_niceness), None for pdserve's default."""
+    value (Ray's RAY_worker_niceness), None for pdserve's default; `routers`: --routers."""
 
-    def __init__(self, args: argparse.Namespace, niceness: str | None) -> None:
-        self.label = f"engines at nice {niceness}" if niceness is not None else "pdserve defaults"
+    def __init__(self, args: argparse.Namespace, niceness: str | None, routers: int) -> None:
+        parts = [f"engines at nice {niceness}" if niceness is not None else "", f"{routers} router(s)"]
+        if args.router_cpu:
+            parts.append(f"{args.router_cpu:g} core each")
+        self.label = ", ".join(p for p in parts if p)
         self.target = f"127.0.0.1:{_free_port()}"
-        command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill)]
+        command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill), "--routers", str(routers)]
         command += ["--decode", str(args.decode), "--listen", self.target, "--metrics-port", "0"]
         command += ["--max-num-seqs", str(max(16, args.streams))]
         self._sd_dir = tempfile.TemporaryDirectory(prefix="router-capacity-")
@@ -144,21 +188,33 @@ class _Server:
         self.process = subprocess.Popen(
             command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
         )
-        self.router = psutil.Process(self.process.pid)
+        self.serve = psutil.Process(self.process.pid)
+        self.routers: list[psutil.Process] = []
         self.decode: list[psutil.Process] = []
-        self.expected_decode = args.decode
+        self.expected = {"RouterActor": routers, "DecodeActor": args.decode}
+        self.cap = _CpuCap(args.router_cpu) if args.router_cpu else None
 
     def ready(self, config: LoadConfig) -> None:
         asyncio.run(_wait_ready(self.target, timeout_s=300))
-        self.decode = _decode_actors(self.router)
-        if len(self.decode) != self.expected_decode:
-            raise RuntimeError(f"found {len(self.decode)} decode actor processes, expected {self.expected_decode}")
+        self.routers, self.decode = (_actors(self.serve, name) for name in ("RouterActor", "DecodeActor"))
+        for found, (name, expected) in zip((self.routers, self.decode), self.expected.items()):
+            if len(found) != expected:
+                raise RuntimeError(f"found {len(found)} {name} processes, expected {expected}")
+        for router in self.routers if self.cap else ():
+            self.cap.apply(router)
         asyncio.run(_round(self.target, config, seed=1000))  # warm: handshakes, first steps
 
+    def _routers_by_thread(self) -> dict[str, float]:
+        totals: dict[str, float] = {}
+        for router in self.routers:
+            for name, seconds in _cpu_by_thread(router).items():
+                totals[name] = totals.get(name, 0.0) + seconds
+        return totals
+
     def round(self, config: LoadConfig, seed: int) -> Round:
-        before = (_cpu_s([self.router]), _cpu_s(self.decode), self._step_cpu_s(), _cpu_by_thread(self.router))
+        before = (_cpu_s(self.routers), _cpu_s(self.decode), self._step_cpu_s(), self._routers_by_thread())
         tokens, seconds, itl = asyncio.run(_round(self.target, config, seed))
-        after = (_cpu_s([self.router]), _cpu_s(self.decode), self._step_cpu_s(), _cpu_by_thread(self.router))
+        after = (_cpu_s(self.routers), _cpu_s(self.decode), self._step_cpu_s(), self._routers_by_thread())
         threads = {name: t - before[3].get(name, 0.0) for name, t in after[3].items()}
         deltas = [a - b for a, b in zip(after[:3], before[:3])]
         return Round(tokens, seconds, *deltas, itl, threads)
@@ -176,6 +232,8 @@ class _Server:
         return total
 
     def stop(self) -> None:
+        if self.cap is not None:
+            self.cap.release()
         os.killpg(self.process.pid, signal.SIGINT)  # serve shuts its cluster down
         try:
             self.process.wait(60)
@@ -190,7 +248,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
     ratio = args.prompt_tokens / args.tokens
     profile = LengthProfile((args.tokens, args.tokens), (ratio, ratio))
     config = LoadConfig(num_requests=args.streams, profile=profile, time_limit_s=600, warmup=0, progress=False)
-    servers = [_Server(args, n) for n in (args.worker_niceness or [None])]
+    servers = [_Server(args, n, r) for n in (args.worker_niceness or [None]) for r in args.routers]
     try:
         for server in servers:
             server.ready(config)
@@ -218,7 +276,7 @@ def _print_summary(rounds: list[Round]) -> None:
     median = _median(rounds)
     best = min(rounds, key=lambda r: r.router_ms_per_token)
     print(
-        f"  router CPU per streamed token:        {median.router_ms_per_token:.3f} ms "
+        f"  routers' CPU per streamed token:      {median.router_ms_per_token:.3f} ms "
         f"(median; best {best.router_ms_per_token:.3f})"
     )
     print(
@@ -245,6 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--worker-niceness", nargs="+", metavar="N", help="compare engines at these nice values (Ray's default: 15)"
     )
+    parser.add_argument("--routers", type=int, nargs="+", default=[1], help="compare these router counts")
+    parser.add_argument("--router-cpu", type=float, help="cap each router process at this fraction of a core")
     parser.add_argument("--json", type=Path, help="write the rounds here")
     args = parser.parse_args(argv)
     results = measure(args)
