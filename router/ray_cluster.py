@@ -20,6 +20,9 @@ import ray
 # Custom resources that steer each pool onto its own nodes (GPU sets on a real cluster).
 PREFILL_RESOURCE = "pdserve_prefill"
 DECODE_RESOURCE = "pdserve_decode"
+# Router slots: the nodes that take client traffic declare how many routers they run (each
+# router reserves one). A cluster that declares none runs routers anywhere (spread).
+ROUTER_RESOURCE = "pdserve_router"
 
 # A private local cluster only: a joined cluster's auth mode is never overridden.
 ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
@@ -37,6 +40,7 @@ class LocalClusterConfig:
     # Slots per pool on this single node; on a real cluster node types declare these.
     prefill_slots: int = 8
     decode_slots: int = 8
+    router_slots: int = 8
     extra_resources: dict[str, float] = field(default_factory=dict)
 
 
@@ -53,6 +57,7 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
         resources={
             PREFILL_RESOURCE: config.prefill_slots,
             DECODE_RESOURCE: config.decode_slots,
+            ROUTER_RESOURCE: config.router_slots,
             **config.extra_resources,
         },
         include_dashboard=False,

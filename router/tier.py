@@ -17,15 +17,22 @@ from typing import Any
 import ray
 
 from router.actor import RouterActor, RouterAddresses, RouterSettings
+from router.ray_cluster import ROUTER_RESOURCE
 
 log = logging.getLogger(__name__)
 
 
 class RouterTier:
-    def __init__(self, controller: Any, settings: RouterSettings, check_interval_s: float = 2.0) -> None:
+    def __init__(
+        self, controller: Any, settings: RouterSettings, check_interval_s: float = 2.0, placement_timeout_s: float = 120.0
+    ) -> None:
         self._controller = controller
         self._settings = settings
         self._check_interval_s = check_interval_s
+        self._placement_timeout_s = placement_timeout_s
+        # Where routers may run: the nodes with router slots, else anywhere.
+        slotted = ray.cluster_resources().get(ROUTER_RESOURCE, 0) > 0
+        self._placement: dict[str, Any] = {"resources": {ROUTER_RESOURCE: 1}} if slotted else {}
         self.routers: dict[int, tuple[Any, RouterAddresses]] = {}  # slot -> actor, addresses
         self._started = 0
         self._watch: asyncio.Task[None] | None = None
@@ -46,10 +53,17 @@ class RouterTier:
         settings = dataclasses.replace(s, metrics_port=s.metrics_port + slot) if s.metrics_port else s
         name = f"router-{self._started}"
         self._started += 1
-        actor = RouterActor.options(name=f"pdserve-{name}-{uuid.uuid4().hex[:6]}", scheduling_strategy="SPREAD").remote(
-            name, self._controller, settings
-        )
-        addresses = await actor.serve.remote()
+        actor = RouterActor.options(
+            name=f"pdserve-{name}-{uuid.uuid4().hex[:6]}", scheduling_strategy="SPREAD", **self._placement
+        ).remote(name, self._controller, settings)
+        try:
+            addresses = await asyncio.wait_for(actor.serve.remote(), self._placement_timeout_s)
+        except TimeoutError:
+            ray.kill(actor, no_restart=True)
+            raise RuntimeError(
+                f"{name} did not start within {self._placement_timeout_s:.0f}s: are there {ROUTER_RESOURCE} slots "
+                f"for every router (`ray status`)? Run fewer --routers or declare more slots"
+            ) from None
         self.routers[slot] = (actor, addresses)
         log.info("%s serves gRPC on %s", name, addresses.grpc)
         return addresses
