@@ -3,7 +3,8 @@
 It starts the engines (so they belong to it, not to any router: a router that dies takes
 no engine with it), polls their health and load, pre-warms NIXL handshakes, resizes and
 drains, and publishes a `ClusterView` that every router mirrors. Routers are stateless
-request paths that come and go (router/actor.py).
+request paths that come and go (router/actor.py). With a planner it also changes the split
+as the traffic the routers report shifts (controller/planning.py).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import ray
 
 from controller.deployment import Deployment, DeploymentConfig
-from messages.membership import ClusterView, MemberState
+from controller.planning import PlannerSetup, PlanningLoop
+from messages.membership import ClusterView, MemberState, RouterReport
 from router.pools import Member
 from router.prometheus_targets import write_targets
 
@@ -34,23 +36,54 @@ def _state(member: Member) -> MemberState:
 @ray.remote(num_cpus=0, max_concurrency=64)
 class PoolController:
     def __init__(
-        self, config: DeploymentConfig, health_interval_s: float = 0.5, prometheus_sd_file: str | None = None
+        self,
+        config: DeploymentConfig,
+        health_interval_s: float = 0.5,
+        prometheus_sd_file: str | None = None,
+        planner: PlannerSetup | None = None,
     ) -> None:
+        from prometheus_client import start_http_server
+
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+        if planner is not None and config.num_prefill == 0:
+            raise ValueError("the planner moves engines between prefill and decode: serve with --prefill >= 1")
         self._deployment = Deployment(config)
         self._health_interval_s = health_interval_s
         self._sd_file = Path(prometheus_sd_file) if prometheus_sd_file else None
-        self._routers: dict[str, str] = {}  # router name -> its metrics address
-        self._monitor: asyncio.Task[None] | None = None
+        self._planner_setup = planner
+        self.planning: PlanningLoop | None = None
+        host = ray.util.get_node_ip_address()
+        server, _ = start_http_server(0, addr=host)  # planner and pool metrics
+        self._targets: dict[str, tuple[str, str]] = {"controller": ("controller", f"{host}:{server.server_port}")}
+        self._tasks: list[asyncio.Task[None]] = []
         self._resizing = asyncio.Lock()
 
     async def start(self) -> ClusterView:
-        """Start every engine, handshake every pair, then keep polling them."""
+        """Start every engine, handshake every pair, then keep polling them (and planning)."""
         await self._deployment.start()
-        self._monitor = asyncio.get_running_loop().create_task(self._watch())
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._watch()))
+        if self._planner_setup is not None:
+            from planner.closed_loop import ClosedLoopPlanner
+
+            setup = self._planner_setup
+            planner = ClosedLoopPlanner(setup.config, setup.model)
+            self.planning = PlanningLoop(planner, self._split, lambda p, d: self.resize(p, d, None))
+            self._tasks.append(loop.create_task(self.planning.run(setup.config.interval_s)))
         return self.view()
 
-    def view(self) -> ClusterView:
+    def _split(self) -> tuple[int, int]:
+        dep = self._deployment
+        return tuple(sum(not m.draining for m in pool.members) for pool in (dep.prefill, dep.decode))  # type: ignore[return-value]
+
+    def planner_log(self, since: int = 0) -> list[str]:
+        """The planner's decisions and split changes (a line each), from line `since` on."""
+        return self.planning.log_lines[since:] if self.planning is not None else []
+
+    def view(self, report: RouterReport | None = None) -> ClusterView:
+        """The pools as they are; a router hands over what it saw since it last asked."""
+        if report is not None and self.planning is not None:
+            self.planning.add(report)
         dep = self._deployment
         if dep.limits is None:
             raise RuntimeError("the controller is still starting its engines")
@@ -76,14 +109,14 @@ class PoolController:
     def register_router(self, name: str, metrics_address: str | None) -> None:
         """A router's metrics endpoint, listed beside the engines' for Prometheus."""
         if metrics_address:
-            self._routers[name] = metrics_address
+            self._targets[name] = ("router", metrics_address)
         else:
-            self._routers.pop(name, None)
+            self._targets.pop(name, None)
 
     def shutdown(self) -> None:
-        """Stop polling and kill every engine (the caller then kills this actor)."""
-        if self._monitor is not None:
-            self._monitor.cancel()
+        """Stop polling (and planning) and kill every engine (the caller then kills this actor)."""
+        for task in self._tasks:
+            task.cancel()
         self._deployment.shutdown()
 
     async def _watch(self) -> None:
@@ -93,13 +126,16 @@ class PoolController:
             try:
                 await dep.health.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
                 if self._sd_file is not None:
-                    write_targets(self._sd_file, (dep.prefill, dep.decode), self._routers)
+                    write_targets(self._sd_file, (dep.prefill, dep.decode), self._targets)
             except Exception:  # keep watching; a failed poll marks members dead
                 log.exception("pool health poll failed")
 
 
 def controller_for(
-    config: DeploymentConfig, name: str = CONTROLLER_NAME, prometheus_sd_file: str | None = None
+    config: DeploymentConfig,
+    name: str = CONTROLLER_NAME,
+    prometheus_sd_file: str | None = None,
+    planner: PlannerSetup | None = None,
 ) -> tuple[Any, bool]:
     """The running controller called `name`, or a new detached one (not yet started): it
     outlives whoever created it and every router, until `shutdown()` and `ray.kill`.
@@ -109,4 +145,4 @@ def controller_for(
     except ValueError:
         pass
     handle = PoolController.options(name=name, lifetime="detached")
-    return handle.remote(config, prometheus_sd_file=prometheus_sd_file), True
+    return handle.remote(config, prometheus_sd_file=prometheus_sd_file, planner=planner), True

@@ -8,6 +8,7 @@ from typing import Any
 
 from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
+from messages.timings import FinishedRequest
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,3 +33,12 @@ class ClusterView:
     @property
     def colocated(self) -> bool:
         return not self.prefill
+
+
+@dataclass(frozen=True, slots=True)
+class RouterReport:
+    """What a router saw since its last report, sent with its next view request: the
+    controller's planner observes the live workload through these."""
+
+    finished: tuple[FinishedRequest, ...]
+    arrivals: int  # requests that arrived, finished or not

@@ -66,3 +66,19 @@ class PhaseTimings:
     decode_tokens_per_s: float  # after the first token
     e2e_s: float
     transfer_bytes: TransferBytes
+
+
+@dataclass(frozen=True, slots=True)
+class FinishedRequest:
+    """One finished request as a router measured it (what the closed-loop planner observes);
+    `arrival_s` on the wall clock, comparable between processes."""
+
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_s: float
+    itl_s: float  # the request's mean inter-token time (TPOT); 0 for a one-token output
+
+    def __post_init__(self) -> None:
+        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.ttft_s < 0 or self.itl_s < 0:
+            raise ValueError(f"invalid finished request {self}: token counts >= 1, latencies >= 0")

@@ -19,23 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from messages.timings import LatencySummary
+from messages.timings import FinishedRequest, LatencySummary
 from planner.simulator import Workload
-
-
-@dataclass(frozen=True, slots=True)
-class FinishedRequest:
-    """One request as the router measured it, on the planner's clock (seconds)."""
-
-    arrival_s: float
-    prompt_tokens: int
-    output_tokens: int
-    ttft_s: float
-    itl_s: float  # the request's mean inter-token time (TPOT); 0 for a one-token output
-
-    def __post_init__(self) -> None:
-        if self.prompt_tokens < 1 or self.output_tokens < 1 or self.ttft_s < 0 or self.itl_s < 0:
-            raise ValueError(f"invalid finished request {self}: token counts >= 1, latencies >= 0")
 
 
 @dataclass(frozen=True, slots=True)

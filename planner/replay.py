@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from messages.timings import SLO
+from messages.timings import SLO, FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, Decision
 from planner.model import PerformanceModel
-from planner.observe import FinishedRequest, IntervalObservation
+from planner.observe import IntervalObservation
 from planner.simulator import Lengths, Placement, Workload, simulate_at
 
 

@@ -66,7 +66,7 @@ class RouterActor:
         controller = self._controller
         view = await controller.view.remote()
         mirror = ControllerMirror(controller, view)
-        orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy)
+        orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy, mirror.journal)
 
         async def scale(prefill: int, decode: int, tp: tuple[int, int] | None) -> tuple[int, int]:
             try:

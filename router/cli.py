@@ -14,14 +14,13 @@ if TYPE_CHECKING:
     from controller.deployment import DeploymentConfig
     from router.security import ClientCredentials
     from router.server import FrontDoorConfig
+    from controller.planning import PlannerSetup
     from router.tier import RouterTier
 
 T = TypeVar("T")
 
-DEFAULT_PROMPT = (
-    "Prefill processes the prompt and creates state; decode consumes that state one token "
-    "at a time. They are effectively two different machines."
-)
+# A sentence of the embedded model's corpus: the model continues it with the corpus's text.
+DEFAULT_PROMPT = "Prefill processes the prompt and creates state; decode consumes that state one token at a time."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +47,16 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--prometheus-sd-file", help="keep a Prometheus file_sd target file of the workers' and routers' metrics endpoints here"
     )
+    plan = serve.add_argument_group("closed-loop planner (changes the split as the traffic shifts)")
+    plan.add_argument("--planner", action="store_true", help="re-plan the prefill:decode split every --interval")
+    plan.add_argument("--planner-model", help="performance model fitted on this hardware (`pdserve tune --save-model`)")
+    plan.add_argument(
+        "--gpu-budget", type=int, help="GPUs (CPU: engine core sets) the split may use (default: the engines started)"
+    )
+    plan.add_argument("--interval", type=float, default=60.0, help="seconds between two decisions")
+    plan.add_argument("--cooldown", type=float, default=180.0, help="least seconds between two split changes")
+    plan.add_argument("--ttft-slo", type=float, default=2.0, help="seconds, for 90%% of requests")
+    plan.add_argument("--itl-slo", type=float, default=0.1, help="a request's mean inter-token seconds, for 90%%")
     serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here")
     serve.add_argument("--served-model-name", help="model id for the HTTP API (default: --model)")
     door = serve.add_argument_group("front door")
@@ -280,7 +289,8 @@ async def _serve(args: argparse.Namespace) -> int:
         ray_cluster.join(args.address)
     else:
         ray_cluster.start_local()
-    controller, created = controller_for(config, CONTROLLER_NAME, args.prometheus_sd_file)
+    planner = planner_setup(args, config) if args.planner else None
+    controller, created = controller_for(config, CONTROLLER_NAME, args.prometheus_sd_file, planner)
     tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
     if created:
         print(f"model {args.model}: starting {args.prefill} prefill + {args.decode} decode engines ({tps})...", file=sys.stderr)
@@ -320,11 +330,55 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    printing = loop.create_task(_print_planner_log(controller, args.interval)) if planner else None
     await stop.wait()
+    if printing is not None:
+        printing.cancel()
     print(f"draining: no new requests, live streams get {args.drain_timeout:.0f}s to finish", file=sys.stderr)
     finished = await _stop(controller, tier, args.drain_timeout)
     print(f"{'drained' if finished else 'drain timed out'}: engines stopped", file=sys.stderr)
     return 0
+
+
+def planner_setup(args: argparse.Namespace, config: "DeploymentConfig") -> "PlannerSetup":
+    from pathlib import Path
+
+    from controller.planning import PlannerSetup
+    from messages.timings import SLO
+    from planner.closed_loop import PlannerConfig
+    from planner.model import PerformanceModel
+
+    if not args.planner_model:
+        raise ValueError(
+            "--planner needs --planner-model: fit one on this hardware with `pdserve probe --out probe.json` "
+            "and `pdserve tune --probe probe.json --save-model model.json`"
+        )
+    prefill, decode = (config.role_engine(role) for role in ("prefill", "decode"))
+    per_engine = max(prefill.tensor_parallel_size, decode.tensor_parallel_size)
+    instances = args.gpu_budget // per_engine if args.gpu_budget else args.prefill + args.decode
+    planner = PlannerConfig(
+        instances=instances,
+        slo=SLO(args.ttft_slo, args.itl_slo),
+        interval_s=args.interval,
+        cooldown_s=args.cooldown,
+        batch_limit=decode.max_num_seqs,
+        token_budget=prefill.max_num_batched_tokens,
+    )
+    return PlannerSetup(planner, PerformanceModel.load(Path(args.planner_model)))
+
+
+async def _print_planner_log(controller: Any, interval_s: float) -> None:
+    """Every planner decision, with its figures, as the controller makes it."""
+    printed = 0
+    while True:
+        await asyncio.sleep(max(1.0, interval_s / 2))
+        try:
+            lines = await controller.planner_log.remote(printed)
+        except Exception:  # the controller is busy or restarting: next time
+            continue
+        for line in lines:
+            print(line, file=sys.stderr)
+        printed += len(lines)
 
 
 async def _remote(awaitable: Awaitable[T]) -> T:

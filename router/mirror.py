@@ -10,6 +10,7 @@ from typing import Any
 
 from messages.membership import ClusterView
 from router import metrics
+from router.journal import RequestJournal
 from router.pools import Pool
 
 log = logging.getLogger(__name__)
@@ -18,6 +19,7 @@ log = logging.getLogger(__name__)
 class ControllerMirror:
     def __init__(self, controller: Any, view: ClusterView) -> None:
         self.controller = controller  # Ray actor handle of controller.actor.PoolController
+        self.journal = RequestJournal()  # this router's traffic, reported with each view request
         self.prefill = Pool("prefill")
         self.decode = Pool("decode")
         self._last_poll = -1
@@ -35,8 +37,9 @@ class ControllerMirror:
     async def refresh(self, poll_timeout_s: float) -> None:
         """Fetch the latest view. Without the controller, keep routing on the last one:
         a dead engine still shows itself by failing the calls made to it."""
+        report = self.journal.take()
         try:
-            view = await asyncio.wait_for(self.controller.view.remote(), poll_timeout_s)
+            view = await asyncio.wait_for(self.controller.view.remote(report), poll_timeout_s)
         except Exception as err:
             if self._reachable:
                 log.warning("controller unreachable (%r): routing on its last view", err)

@@ -27,6 +27,7 @@ from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
+from router.journal import RequestJournal
 from router.pools import Member, Pool
 
 log = logging.getLogger(__name__)
@@ -71,9 +72,16 @@ class _Progress:
 
 class Orchestrator:
     def __init__(
-        self, prefill: Pool, decode: Pool, limits: ModelLimits, policy: RouterPolicy = RouterPolicy()
+        self,
+        prefill: Pool,
+        decode: Pool,
+        limits: ModelLimits,
+        policy: RouterPolicy = RouterPolicy(),
+        journal: RequestJournal | None = None,
     ) -> None:
+        """`journal`: record traffic for the controller's planner (routers in front of one)."""
         self.prefill = prefill
+        self.journal = journal
         self.decode = decode
         self.limits = limits
         self.policy = policy
@@ -86,6 +94,7 @@ class Orchestrator:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
+        arrived_wall = self.journal.arrived() if self.journal else 0.0
         request.validate(self.limits)  # cheap, and before any engine holds blocks for it
         progress = _Progress()
         first_leg: tuple[PrefillResult | None, float] | None = None  # the leg the timings describe
@@ -131,6 +140,8 @@ class Orchestrator:
         )
         times = progress.token_times
         metrics.observe_request(result, [b - a for a, b in zip(times, times[1:])])
+        if self.journal:
+            self.journal.finished(arrived_wall, result)
         yield result
 
     async def _decode(

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 from test_layers import packages_loaded_by
 
+from messages.timings import FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, Corrections, PlannerConfig
 from planner.model import PerformanceModel
-from planner.observe import FinishedRequest, Forecast, IntervalObservation, forecast, summarize
+from planner.observe import Forecast, IntervalObservation, forecast, summarize
 from planner.replay import IntervalResult, Phase, Trace, goodput, replay, serve
 from planner.search import SearchSpace, best_of, search
 from planner.simulator import SLO, Lengths, Placement, Workload
