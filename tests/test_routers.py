@@ -1,7 +1,9 @@
 """Several routers in front of one controller, with real engines, Ray, NIXL and gRPC:
 streams through both are correct, killing one router (kill -9) mid-stream leaves the
 other's streams intact and no blocks held, the controller and engines outlive it, a new
-router joins, and routers that pick independently still balance the decode pool."""
+router joins, and routers that pick independently still balance the decode pool. Last, the
+controller's closed-loop planner moves the split with the traffic (it holds until then:
+no earlier test finishes its minimum of requests in one interval)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pytest
 from conftest import run, stream_tokens, wait_until
 from reference import PROMPTS
 
+from messages.results import FEED_TIMEOUT_S
 from router.client import build_request
 
 LEASE_S = 6
@@ -23,12 +26,23 @@ LONG = 2000  # tokens: a stream that outlives the test unless it is aborted
 
 @pytest.fixture(scope="module")
 def controller(ray_cluster, engine_config):
+    """1P:2D; its planner decides every 4 s on the seeds' model, acting on 8+ requests."""
     from controller.actor import controller_for
     from controller.deployment import DeploymentConfig
+    from controller.planning import PlannerSetup
     from kv_transfer.connector_config import TransferConfig
+    from messages.timings import SLO
+    from planner.closed_loop import PlannerConfig
+    from planner.model import PerformanceModel
 
-    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=LEASE_S), num_decode=2)
-    handle, created = controller_for(config, f"test-controller-{uuid.uuid4().hex[:6]}")
+    config = DeploymentConfig(
+        engine=engine_config, transfer=TransferConfig(lease_s=LEASE_S), num_decode=2, drain_quiet_s=1.0
+    )
+    planner = PlannerConfig(
+        instances=3, slo=SLO(ttft_s=2.0, itl_s=0.1), interval_s=4.0, cooldown_s=0, min_requests=8, search_requests=100
+    )
+    setup = PlannerSetup(planner, PerformanceModel.seeds_example())
+    handle, created = controller_for(config, f"test-controller-{uuid.uuid4().hex[:6]}", planner=setup)
     assert created
     ray_cluster.get(handle.start.remote())
     yield handle
@@ -122,9 +136,10 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_c
         decisive = reference[name].decisive
         assert final is not None and final.finish_reason == "length" and len(tokens) == survivor_tokens
         assert tokens[: len(decisive)] == decisive
-    # The dead router's two streams (2,000 tokens each) were aborted on the decode engine,
-    # not left to run; any prefill blocks went back within the lease.
-    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), "blocks still held"
+    # The dead router's two streams (2,000 tokens each) were aborted on the decode engine when
+    # their feed's lease ran out, not left to run; any prefill blocks went back within theirs.
+    settle_s = max(LEASE_S, FEED_TIMEOUT_S) + 5
+    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=settle_s), "blocks still held"
 
     after = ray_cluster.get(controller.view.remote())  # the controller outlived the router
     assert [(m.name, m.load.engine_id) for m in after.prefill + after.decode] == [
@@ -188,3 +203,73 @@ def test_routers_on_one_host_share_the_port(ray_cluster, controller, model_path)
             assert await tier.drain(5)
 
     run(scenario())
+
+
+def test_a_router_passes_a_resize_to_the_controller_and_its_refusal_back(routers):
+    """Admin.ScalePools on any router reaches the controller; a refusal comes back as the
+    controller's own words, not a Ray traceback."""
+    from proto.pdserve.v1 import generate_pb2 as pb
+    from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
+
+    async def scale():
+        async with grpc.aio.insecure_channel(routers[0][1]) as channel:
+            await pb_grpc.AdminStub(channel).ScalePools(pb.ScalePoolsRequest(prefill=0, decode=2))
+
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        run(scale())
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert refused.value.details().startswith("resize keeps the serving mode")
+
+
+def test_the_planner_moves_engines_to_prefill_without_failing_a_request(ray_cluster, controller, routers):
+    """Prefill-heavy traffic (1,500-token prompts, 4 tokens out, 4 req/s: more than one CPU
+    prefill engine serves): within a few 4-s intervals the controller's planner changes 1P:2D
+    to 2P:1D (start a prefill engine, handshake it, drain a decode engine) while traffic flows."""
+    from router.client import build_request, stream_generate
+
+    address = routers[0][1]
+    prompt = [(7 * i) % 2000 + 1 for i in range(1500)]
+
+    async def traffic(stop: asyncio.Event) -> tuple[int, list[str]]:
+        done, failures = 0, []
+        async with grpc.aio.insecure_channel(address) as channel:
+
+            async def one(i: int) -> None:
+                nonlocal done
+                request = build_request(prompt, f"plan-{i}", max_tokens=4, ignore_eos=True)
+                try:
+                    async for _ in stream_generate(channel, request, timeout_s=120):
+                        pass
+                    done += 1
+                except grpc.aio.AioRpcError as err:
+                    failures.append(f"{err.code().name}: {err.details()}")
+
+            tasks, i = [], 0
+            while not stop.is_set():
+                tasks.append(asyncio.ensure_future(one(i)))
+                i += 1
+                await asyncio.sleep(0.25)
+            await asyncio.gather(*tasks)
+        return done, failures
+
+    async def scenario() -> tuple[bool, int, list[str]]:
+        stop = asyncio.Event()
+        running = asyncio.ensure_future(traffic(stop))
+        changed = False
+        for _ in range(150):
+            await asyncio.sleep(1)
+            view = await controller.view.remote()
+            if len(view.prefill) == 2 and len(view.decode) == 1 and all(m.alive for m in view.prefill):
+                changed = True
+                break
+        await asyncio.sleep(3)  # traffic on the new split
+        stop.set()
+        return (changed, *await running)
+
+    changed, done, failures = run(scenario())
+    log = ray_cluster.get(controller.planner_log.remote())
+    print("\n".join(log))
+    assert changed, "\n".join(log)
+    assert failures == [] and done > 0
+    assert any("change 1P:2D -> 2P:1D" in line for line in log)
+    assert any(line.startswith("planner split change 1P:2D -> 2P:1D took") for line in log)

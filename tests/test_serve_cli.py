@@ -1,0 +1,70 @@
+"""`pdserve serve` as a user runs it: its own local cluster, a controller, two routers on
+one port (gRPC and HTTP), a generation through each front, then SIGTERM: drained, engines
+and controller stopped, every process of its cluster gone."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+from conftest import run, stream_tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_path):
+    import grpc
+
+    from router.client import build_request
+
+    grpc_port, http_port = _free_port(), _free_port()
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "router.cli", "serve", "--model", model_path, "--prefill", "0", "--decode", "1"]
+    command += ["--routers", "2", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}"]
+    command += ["--metrics-port", "0", "--drain-timeout", "5"]
+    with open(log, "w") as out:
+        serve = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "serving the OpenAI API" not in log.read_text():
+            assert serve.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(1)
+        assert f"serving pdserve.v1.Generation on 127.0.0.1:{grpc_port} (2 routers)" in log.read_text()
+        cluster = [p for p in psutil.Process(serve.pid).children(recursive=True)]
+        routers = [p for p in cluster if "RouterActor" in " ".join(p.cmdline())]
+        assert len(routers) == 2
+
+        async def through_grpc():
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                return await stream_tokens(channel, build_request("Prefill and decode", "cli", max_tokens=6, ignore_eos=True))
+
+        tokens, _, final = run(through_grpc())
+        assert len(tokens) == 6 and final.finish_reason == "length"
+        body = json.dumps({"model": model_path, "prompt": "Prefill and decode", "max_tokens": 4}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{http_port}/v1/completions", body, {"content-type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            completion = json.loads(response.read())
+        assert completion["usage"]["completion_tokens"] == 4
+
+        os.kill(serve.pid, signal.SIGTERM)
+        assert serve.wait(90) == 0, log.read_text()[-3000:]
+        assert "drained: engines stopped" in log.read_text()
+        time.sleep(2)
+        assert [p.pid for p in cluster if p.is_running() and p.status() != psutil.STATUS_ZOMBIE] == []
+    finally:
+        if serve.poll() is None:
+            os.killpg(serve.pid, signal.SIGKILL)
+            serve.wait()
