@@ -113,3 +113,46 @@ def test_routers_picking_alone_unbalance_the_pool_and_load_reports_even_it():
           f"with load reports mean {sum(reported) / 100:.2f} max {max(reported)}")
     assert max(alone) >= 5 and sum(alone) / 100 > 2
     assert max(reported) <= 2 and sum(reported) / 100 < sum(alone) / 100 / 2
+
+
+def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_poll():
+    from messages.membership import MemberState
+
+    def state(name: str, running: int, alive: bool = True) -> MemberState:
+        return MemberState(name, name, alive, False, dataclasses.replace(LOAD, running=running), None)
+
+    pool = Pool("decode")
+    pool.mirror((state("decode-0", 0), state("decode-1", 0)), new_poll=True)
+    first = pool.members[0]
+    first.outstanding_requests = 2  # this router's own requests, started since that poll
+    pool.mirror((state("decode-0", 5), state("decode-1", 1, alive=False)), new_poll=False)
+    assert pool.members[0] is first and first.outstanding_requests == 2
+    assert first.load.running == 0  # the same poll again: not news
+    assert not pool.members[1].alive  # liveness is always the controller's latest word
+    pool.mirror((state("decode-0", 5),), new_poll=True)  # decode-1 left the pool
+    assert [m.name for m in pool.members] == ["decode-0"]
+    assert first.estimated_requests == 5  # the report already counts this router's 2
+    first.outstanding_requests += 1
+    assert first.estimated_requests == 6
+
+
+def test_a_journal_hands_over_what_finished_since_the_last_report():
+    from messages.results import GenerationResult
+    from messages.timings import LatencySummary, PhaseTimings
+    from messages.transfer import TransferBytes
+    from router.journal import RequestJournal
+
+    def result(tokens: int, rate: float) -> GenerationResult:
+        timings = PhaseTimings(0, 0, 0, 0.25, LatencySummary.of([]), rate, 1.0, TransferBytes(0, 0))
+        return GenerationResult("length", 100, tokens, timings, "prefill-0", "decode-0")
+
+    journal = RequestJournal()
+    arrived = journal.arrived()
+    journal.arrived()  # one still running
+    journal.finished(arrived, result(10, rate=50.0))
+    journal.finished(arrived, result(0, rate=0.0))  # nothing generated: nothing to observe
+    report = journal.take()
+    assert report.arrivals == 2 and len(report.finished) == 1
+    (done,) = report.finished
+    assert (done.prompt_tokens, done.output_tokens, done.ttft_s, done.itl_s) == (100, 10, 0.25, 0.02)
+    assert journal.take().finished == () and journal.take().arrivals == 0
