@@ -22,4 +22,7 @@ bench: install
 	$(VENV)/bin/python -m bench.overload --rate 6
 	$(VENV)/bin/python -m bench.http_vs_grpc
 	$(VENV)/bin/python -m bench.router_capacity --worker-niceness 15 0
+	$(VENV)/bin/python -m bench.router_capacity --routers 1 2 --router-cpu 0.05 --streams 32 --tokens 64
+	$(VENV)/bin/python -m bench.planner_shift
+	$(VENV)/bin/python -m bench.planner_live
 	$(VENV)/bin/python -m bench.vs_vllm
