@@ -1,9 +1,10 @@
 """Build the tiny Qwen3.5 hybrid and its byte-level BPE tokenizer, deterministically.
 
-No model hub is reachable, so the default model is made here: random weights from a
-fixed seed and a tokenizer trained on text shipped in `corpus/`. The output directory is
-an ordinary Hugging Face model directory, so every other code path treats it exactly like
-a real checkpoint (e.g. Qwen3.5-27B on a GPU cluster).
+No model hub is reachable, so the default model is made here: a tokenizer and weights both
+trained on the text shipped in `corpus/` (see `train.py`: the model learns to reproduce that
+text, nothing more). The output directory is an ordinary Hugging Face model directory, so
+every other code path treats it exactly like a real checkpoint (e.g. Qwen3.5-27B on a GPU
+cluster).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ import hashlib
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-CORPUS_DIR = Path(__file__).parent / "corpus"
-EOS_TOKEN = "<|endoftext|>"
+from vllm_engine.embedded_model.texts import EOS_ID, EOS_TOKEN, corpus_bytes, documents, token_stream
+from vllm_engine.embedded_model.train import TrainingRecipe, train
+
 # Bumped whenever the build recipe changes so stale cache entries are never reused.
-RECIPE_VERSION = 2
+RECIPE_VERSION = 3
 # Plain-text roles, so /v1/chat/completions works on the embedded model (real models ship theirs).
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
@@ -45,16 +47,15 @@ class EmbeddedModelSpec:
     linear_num_value_heads: int = 4
     vocab_size: int = 2048
     max_position_embeddings: int = 8192
-    # Larger than HF's 0.02 so random logits have clear margins (fewer bf16 ties).
-    initializer_range: float = 0.1
-    seed: int = 1234
+    initializer_range: float = 0.02  # HF's default: the starting point training moves from
+    seed: int = 1234  # initial weights and the order training reads the corpus in
+    training: TrainingRecipe = field(default_factory=TrainingRecipe)
 
     def fingerprint(self) -> str:
-        corpus = b"".join(p.read_bytes() for p in sorted(CORPUS_DIR.glob("*.txt")))
         blob = json.dumps(
             {"spec": dataclasses.asdict(self), "recipe": RECIPE_VERSION}, sort_keys=True
         ).encode()
-        return hashlib.sha256(blob + corpus).hexdigest()[:16]
+        return hashlib.sha256(blob + corpus_bytes()).hexdigest()[:16]
 
 
 def default_cache_dir() -> Path:
@@ -103,8 +104,7 @@ def _build_tokenizer(spec: EmbeddedModelSpec, out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    texts = [p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt"))]
-    tokenizer.train_from_iterator(texts, trainer=trainer)
+    tokenizer.train_from_iterator(documents(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN)
     fast.model_max_length = spec.max_position_embeddings
     fast.chat_template = CHAT_TEMPLATE
@@ -132,11 +132,12 @@ def _build_model(spec: EmbeddedModelSpec, out: Path) -> None:
         max_position_embeddings=spec.max_position_embeddings,
         initializer_range=spec.initializer_range,
         tie_word_embeddings=False,
-        eos_token_id=0,  # EOS_TOKEN is the tokenizer's first (only) special token
+        eos_token_id=EOS_ID,
         bos_token_id=None,
         pad_token_id=None,
         torch_dtype="bfloat16",
     )
     torch.manual_seed(spec.seed)
-    model = Qwen3_5ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    model = Qwen3_5ForCausalLM(config).float()  # fp32 master weights while training
+    train(model, token_stream(out), spec.training, spec.seed)
+    model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
