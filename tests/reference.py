@@ -3,45 +3,84 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
 
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 
-MAX_TOKENS = 24
+MAX_TOKENS = 80
 # bf16 greedy decoding: where the reference's top two candidates are closer than this,
 # batch shape alone can flip the choice. Compare up to the first such near-tie.
 NEAR_TIE_NATS = 0.1
-MIN_COMPARED = 10
-
+# The embedded model reproduces its corpus, so a corpus prompt's continuation is decisive
+# (no near-tie) for all of MAX_TOKENS; every comparison covers at least this many tokens.
+MIN_COMPARED = 64
 
 
 def prompt_of(stride: int, offset: int, length: int) -> tuple[int, ...]:
+    """Arbitrary token ids (vocabulary 2048): for limits and load, not for comparisons."""
     return tuple((stride * i + offset) % 2000 + 1 for i in range(length))
 
 
-# Token-id prompts (vocabulary 2048): short, longer than one attention block (256 tokens
-# here), several blocks; X and Y of equal length for the state-swap proof. Chosen so that
-# the random-weight model's greedy reference has no near-tie in its first 10+ tokens.
-PROMPTS = {
-    "short": prompt_of(17, 1, 17),
-    "over_one_block": prompt_of(41, 1, 300),
-    "long": prompt_of(7, 5, 1100),
-    "x": prompt_of(43, 5, 400),
-    "y": prompt_of(17, 2, 400),
-}
-# What decode must produce if it really continues Y's transferred state while being
-# asked for X: prefill holds N-1 tokens of Y, decode feeds X's last token.
-PROMPTS["y_then_last_of_x"] = PROMPTS["y"][:-1] + PROMPTS["x"][-1:]
-# The same proof at TP 2, whose bf16 reductions differ: a Y whose TP-2 continuation of X's
-# last token has 15 decisive tokens (17/2's has 8).
-TP2_PROMPTS = {"y_tp2": prompt_of(37, 3, 400)}
-TP2_PROMPTS["y_tp2_then_last_of_x"] = TP2_PROMPTS["y_tp2"][:-1] + PROMPTS["x"][-1:]
+@functools.cache
+def _corpus_prompts() -> dict[str, tuple[int, ...]]:
+    """Passages of the embedded model's corpus (its token stream: the concept document,
+    then the lesson, each ending in EOS): short, longer than one attention block (256
+    tokens here), several blocks; X and Y of equal length for the state-swap proof."""
+    from vllm_engine.embedded_model import ensure_embedded_model
+    from vllm_engine.embedded_model.texts import EOS_ID, token_stream
+
+    stream = token_stream(ensure_embedded_model())
+    first_document_end = stream.index(EOS_ID)
+    prompts = {
+        "short": stream[2600:2617],
+        "over_one_block": stream[100:400],
+        "long": stream[first_document_end + 1 :][:1100],
+        "x": stream[2000:2400],
+    }
+    # Y ends on X's last token (both on " the"), so Y[:-1] + X[-1:] == Y: decode fed X's last
+    # token on Y's transferred state continues the corpus after Y, decisively, and not the
+    # corpus after X. Two such passages of the first document, one per TP size.
+    ends = [end for end in range(400, first_document_end - MAX_TOKENS) if stream[end - 1] == prompts["x"][-1]]
+    y_end = ends[0]
+    y_tp2_end = next(end for end in ends if end >= y_end + 200)
+    prompts["y"] = stream[y_end - 400 : y_end]
+    prompts["y_tp2"] = stream[y_tp2_end - 400 : y_tp2_end]
+    # What decode must produce if it really continues Y's transferred state while being
+    # asked for X: prefill holds N-1 tokens of Y, decode feeds X's last token.
+    prompts["y_then_last_of_x"] = prompts["y"][:-1] + prompts["x"][-1:]
+    prompts["y_tp2_then_last_of_x"] = prompts["y_tp2"][:-1] + prompts["x"][-1:]
+    return {name: tuple(ids) for name, ids in prompts.items()}
+
+
+class _Prompts(Mapping[str, tuple[int, ...]]):
+    """Read on first use: they need the embedded model's tokenizer (built, if missing, as
+    the `model_path` fixture does), which importing this module should not."""
+
+    def __init__(self, *names: str) -> None:
+        self._names = names
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        if name not in self._names:
+            raise KeyError(name)
+        return _corpus_prompts()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+PROMPTS = _Prompts("short", "over_one_block", "long", "x", "y", "y_then_last_of_x")
+# The same proof at TP 2 (its bf16 reductions differ), from another passage.
+TP2_PROMPTS = _Prompts("y_tp2", "y_tp2_then_last_of_x")
 
 
 def make_request(name: str, request_id: str | None = None, logprobs: int = 0) -> GenerateRequest:
-    return GenerateRequest(
-        request_id or name, {**PROMPTS, **TP2_PROMPTS}[name], SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
-    )
+    sampling = SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+    return GenerateRequest(request_id or name, {**PROMPTS, **TP2_PROMPTS}[name], sampling)
 
 
 @dataclasses.dataclass(frozen=True)
