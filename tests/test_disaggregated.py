@@ -103,7 +103,7 @@ def test_concurrent_requests_equal_colocated(deployment, reference):
     assert_no_blocks_held(dep)
 
 
-def test_decode_continues_the_transferred_state_not_its_ownprompt_of(deployment, reference):
+def test_decode_continues_the_transferred_state_not_its_own_prompt(deployment, reference):
     """Decode is asked for X but handed Y's KV blocks and DeltaNet state: if the state
     really moved, it continues Y (plus X's last token), which differs from X's own output."""
     dep, _ = deployment
