@@ -23,6 +23,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker.actor import DecodeActor
+from decode_worker.either_role import EitherRoleActor
 from kv_transfer.connector_config import TransferConfig
 from messages.reports import EngineCapacity
 from messages.requests import ModelLimits
@@ -65,8 +66,20 @@ class DeploymentConfig:
     # A leaving engine must stay idle this long before it goes: routers mirroring the
     # controller's view may learn it is draining a view period late and start one more.
     drain_quiet_s: float = 2.0
+    # Every engine runs both NIXL roles (decode_worker/either_role.py): a resize moves
+    # engines between the pools (drain, relabel, handshake) instead of restarting them.
+    # Both pools then run one engine configuration.
+    switch_roles: bool = False
 
     def __post_init__(self) -> None:
+        if self.switch_roles and not self.num_prefill:
+            raise ValueError("role switching moves engines between prefill and decode: serve with --prefill >= 1")
+        if self.switch_roles and self.prefill_sizing != self.decode_sizing:
+            raise ValueError(
+                "with role switching an engine serves either pool, so both pools run one engine configuration: "
+                "set TP, batch limit, token budget and KV size with the shared flags (--max-num-seqs, ...), "
+                "not per pool"
+            )
         if self.num_prefill:
             check_tp_pairing(
                 self.role_engine("prefill").tensor_parallel_size, self.role_engine("decode").tensor_parallel_size
@@ -134,7 +147,7 @@ class Deployment:
         self.orchestrator: Orchestrator | None = None
         self.capacities: dict[str, EngineCapacity] = {}
         self._next_core = 0  # CPU cores are handed out in turn
-        self._named = {"prefill": 0, "decode": 0}  # actor names are never reused
+        self._named = {"prefill": 0, "decode": 0, "engine": 0}  # actor names are never reused
         self._placements: dict[str, PlacementGroup] = {}
         self._id = uuid.uuid4().hex[:8]  # Ray-level names stay unique across deployments
 
@@ -171,6 +184,8 @@ class Deployment:
                 f"this deployment runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
                 f"--decode-tp {tensor_parallel[1]}, or tune with the live engines' sizes"
             )
+        if self.config.switch_roles:
+            await self._switch_roles(num_prefill, num_decode, drain_timeout_s)
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))
         added += self._add(self.decode, num_decode - len(self.decode.members))
         await self._ready(added)
@@ -202,7 +217,32 @@ class Deployment:
             self.capacities[member.name] = member.capacity = capacity
             log.info("%s: %s", member.name, capacity.summary())
 
+    async def _switch_roles(self, num_prefill: int, num_decode: int, drain_timeout_s: float) -> None:
+        """Move engines from the pool that shrinks to the pool that grows, least loaded
+        first: each stops getting requests of its old role, finishes them, changes pool and
+        handshakes with its new peers before it takes traffic. No engine restarts."""
+        for source, target, source_size in ((self.decode, self.prefill, num_decode), (self.prefill, self.decode, num_prefill)):
+            target_size = num_prefill + num_decode - source_size
+            count = min(len(source.members) - source_size, target_size - len(target.members))
+            if count <= 0:
+                continue
+            movers = sorted(source.members, key=lambda m: (not m.alive, m.estimated_requests))[:count]
+            for member in movers:
+                member.draining = True
+                member.alive = False
+            await asyncio.gather(*(self._wait_idle(m, drain_timeout_s) for m in movers))
+            for member in movers:
+                source.members.remove(member)
+                member.draining = False  # not alive: the next refresh handshakes it as joining
+                target.members.append(member)
+            log.info("moved %s from %s to %s", ", ".join(m.name for m in movers), source.role, target.role)
+
     async def _drain(self, member: Member, timeout_s: float) -> None:
+        await self._wait_idle(member, timeout_s)
+        self._remove(member)
+
+    async def _wait_idle(self, member: Member, timeout_s: float) -> None:
+        """Until the engine has had nothing to do for drain_quiet_s (or the timeout)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         quiet_since: float | None = None
@@ -216,7 +256,6 @@ class Deployment:
             else:
                 quiet_since = None
             await asyncio.sleep(0.1)
-        self._remove(member)
 
     def _add(self, pool: Pool, count: int) -> list[Member]:
         cfg = self.config
@@ -224,10 +263,15 @@ class Deployment:
         actor_class, resource = (PrefillActor, PREFILL_RESOURCE) if is_prefill else (DecodeActor, DECODE_RESOURCE)
         # Decode engines of a colocated deployment run without a connector.
         transfer = cfg.transfer if is_prefill or cfg.num_prefill else None
+        # An engine that may change pool is named for neither; it keeps the node slot
+        # (resource) of the pool it started in.
+        kind = "engine" if cfg.switch_roles else pool.role
+        if cfg.switch_roles:
+            actor_class = EitherRoleActor
         added = []
         for _ in range(max(0, count)):
-            name = f"{pool.role}-{self._named[pool.role]}"
-            self._named[pool.role] += 1
+            name = f"{kind}-{self._named[kind]}"
+            self._named[kind] += 1
             engine = cfg.engine_for(pool.role, self._next_core)
             self._next_core += engine.tensor_parallel_size
             gpus = engine.tensor_parallel_size * cfg.gpus_per_rank if engine.device == "cuda" else 0

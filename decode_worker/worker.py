@@ -43,6 +43,7 @@ class DecodeWorker(EngineWorker):
         transfer: TransferConfig | None,
         channel: SideChannel | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
+        role: Role = Role.DECODE,
     ) -> None:
         self.name = name
         self._transfer = transfer
@@ -53,10 +54,10 @@ class DecodeWorker(EngineWorker):
         else:
             if channel is None:
                 raise ValueError("a decode worker with KV transfer needs a NIXL side channel")
-            self.engine_id = engine_id_for(Role.DECODE, name, channel)
+            self.engine_id = engine_id_for(role, name, channel)
             self._start_engine(
                 engine_config,
-                transfer.kv_transfer_config(Role.DECODE, self.engine_id),
+                transfer.kv_transfer_config(role, self.engine_id),
                 {**channel.process_env(), **transfer.process_env()},
                 on_fatal,
                 [TransferStatLogger],

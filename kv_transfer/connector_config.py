@@ -22,6 +22,11 @@ from vllm_engine.config import HYBRID_TRANSFER_ENV
 class Role(str, Enum):
     PREFILL = "kv_producer"
     DECODE = "kv_consumer"
+    # Producer and consumer in one engine, so the controller can move it between the pools
+    # without a restart. vLLM 0.32 warns this role is deprecated for NixlConnector, but its
+    # connector only treats the roles differently under prefill context parallelism (not
+    # used here): what a request does comes from its kv_transfer_params.
+    EITHER = "kv_both"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,32 +24,20 @@ from messages.requests import GenerateRequest
 from messages.results import PrefillResult
 from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
+from vllm_engine.engine import Engine
 from vllm_engine.sampling import sampling_params
 from vllm_engine.worker_base import EngineWorker
 
 
-class PrefillWorker(EngineWorker):
-    def __init__(
-        self,
-        name: str,
-        engine_config: EngineConfig,
-        transfer: TransferConfig,
-        channel: SideChannel,
-        on_fatal: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        self.name = name
-        self.engine_id = engine_id_for(Role.PREFILL, name, channel)
-        self._transfer = transfer
-        self._start_engine(
-            engine_config,
-            transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
-            {**channel.process_env(), **transfer.process_env()},
-            on_fatal,
-            [TransferStatLogger],
-        )
+class PrefillDuty:
+    """What a producer engine does with each request; shared by the prefill worker and the
+    either-role worker (decode_worker/either_role.py)."""
+
+    _engine: Engine
+    _transfer: TransferConfig
 
     async def prefill(self, request: GenerateRequest) -> PrefillResult:
-        request.validate(self.limits)
+        request.validate(self._engine.limits)
         started = time.perf_counter()
         params = sampling_params(
             request.sampling,
@@ -76,3 +64,24 @@ class PrefillWorker(EngineWorker):
         )
         LEASES_GRANTED.inc()
         return PrefillResult(handle, time.perf_counter() - started)
+
+
+class PrefillWorker(PrefillDuty, EngineWorker):
+    def __init__(
+        self,
+        name: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig,
+        channel: SideChannel,
+        on_fatal: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.engine_id = engine_id_for(Role.PREFILL, name, channel)
+        self._transfer = transfer
+        self._start_engine(
+            engine_config,
+            transfer.kv_transfer_config(Role.PREFILL, self.engine_id),
+            {**channel.process_env(), **transfer.process_env()},
+            on_fatal,
+            [TransferStatLogger],
+        )

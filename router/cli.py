@@ -39,6 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--prefill", type=int, default=1, help="prefill actors (0: colocated serving)")
     serve.add_argument("--decode", type=int, default=1, help="decode actors")
     serve.add_argument(
+        "--switch-roles", action="store_true",
+        help="every engine runs both NIXL roles: a resize or the planner moves engines between the pools "
+        "(drain, relabel) instead of restarting them; both pools then share one engine configuration",
+    )
+    serve.add_argument(
         "--routers", type=int, default=1, help="router processes (Ray actors, spread over nodes; on one host they share the port)"
     )
     serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
@@ -207,6 +212,7 @@ def deployment_config_from_args(args: argparse.Namespace, num_prefill: int, num_
         num_decode=num_decode,
         prefill_sizing=sizing("prefill"),
         decode_sizing=sizing("decode"),
+        switch_roles=getattr(args, "switch_roles", False),  # `serve` only
     )
 
 

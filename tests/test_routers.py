@@ -3,7 +3,9 @@ streams through both are correct, killing one router (kill -9) mid-stream leaves
 other's streams intact and no blocks held, the controller and engines outlive it, a new
 router joins, and routers that pick independently still balance the decode pool. Last, the
 controller's closed-loop planner moves the split with the traffic (it holds until then:
-no earlier test finishes its minimum of requests in one interval)."""
+no earlier test finishes its minimum of requests in one interval). The engines run both NIXL
+roles (`switch_roles`), so the planner's change moves an engine between the pools without a
+restart (tests/test_resize.py covers the restarting kind)."""
 
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ LONG = 2000  # tokens: a stream that outlives the test unless it is aborted
 
 @pytest.fixture(scope="module")
 def controller(ray_cluster, engine_config):
-    """1P:2D; its planner decides every 4 s on the seeds' model, acting on 8+ requests."""
+    """1P:2D of either-role engines; its planner decides every 4 s on the seeds' model,
+    acting on 8+ requests."""
     from controller.actor import controller_for
     from controller.deployment import DeploymentConfig
     from controller.planning import PlannerSetup
@@ -36,7 +39,11 @@ def controller(ray_cluster, engine_config):
     from planner.model import PerformanceModel
 
     config = DeploymentConfig(
-        engine=engine_config, transfer=TransferConfig(lease_s=LEASE_S), num_decode=2, drain_quiet_s=1.0
+        engine=engine_config,
+        transfer=TransferConfig(lease_s=LEASE_S),
+        num_decode=2,
+        drain_quiet_s=1.0,
+        switch_roles=True,
     )
     planner = PlannerConfig(
         instances=3, slo=SLO(ttft_s=2.0, itl_s=0.1), interval_s=4.0, cooldown_s=0, min_requests=8, search_requests=100
@@ -228,11 +235,20 @@ def test_a_router_passes_a_resize_to_the_controller_and_its_refusal_back(routers
     assert refused.value.details().startswith("resize keeps the serving mode")
 
 
-def test_the_planner_moves_engines_to_prefill_without_failing_a_request(ray_cluster, controller, routers):
+def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_request(
+    ray_cluster, controller, routers, reference
+):
     """Prefill-heavy traffic (1,500-token prompts, 4 tokens out, 4 req/s: more than one CPU
     prefill engine serves): within a few 4-s intervals the controller's planner changes 1P:2D
-    to 2P:1D (start a prefill engine, handshake it, drain a decode engine) while traffic flows."""
+    to 2P:1D while traffic flows, by draining a decode engine and handshaking it as a
+    producer: the same three engine processes serve before and after, and both prefill
+    engines hand off state that decodes to the reference."""
+    from reference import assert_matches, make_request
+
     from router.client import build_request, stream_generate
+
+    before = ray_cluster.get(controller.view.remote())
+    engines_before = {m.name: m.load.engine_id for m in before.prefill + before.decode}
 
     address = routers[0][1]
     prompt = [(7 * i) % 2000 + 1 for i in range(1500)]
@@ -280,3 +296,23 @@ def test_the_planner_moves_engines_to_prefill_without_failing_a_request(ray_clus
     assert failures == [] and done > 0
     assert any("change 1P:2D -> 2P:1D" in line for line in log)
     assert any(line.startswith("planner split change 1P:2D -> 2P:1D took") for line in log)
+    after = ray_cluster.get(controller.view.remote())
+    assert {m.name: m.load.engine_id for m in after.prefill + after.decode} == engines_before  # none restarted
+    moved = {m.name for m in after.prefill} - {m.name for m in before.prefill}
+    assert len(moved) == 1
+
+    async def through_each_prefill_engine():
+        async with grpc.aio.insecure_channel(address) as channel:
+            ref = make_request("over_one_block")
+            prompt, max_tokens = list(ref.prompt_token_ids), ref.sampling.max_tokens
+            return await asyncio.gather(
+                *(
+                    stream_tokens(channel, build_request(prompt, f"moved-{i}", max_tokens=max_tokens, ignore_eos=True))
+                    for i in range(2)
+                )
+            )
+
+    results = run(through_each_prefill_engine())
+    for tokens, _, _ in results:
+        assert_matches(tokens, reference["over_one_block"])
+    assert {final.prefill_worker for _, _, final in results} == {m.name for m in after.prefill}

@@ -174,6 +174,13 @@ def test_unsupported_tp_pairing_is_refused_before_any_engine_starts():
         )
 
 
+def test_role_switching_with_per_pool_engine_settings_is_refused():
+    with pytest.raises(ValueError, match="both pools run one engine configuration"):
+        DeploymentConfig(switch_roles=True, decode_sizing=EngineSizing(max_num_seqs=64))
+    with pytest.raises(ValueError, match="--prefill >= 1"):
+        DeploymentConfig(switch_roles=True, num_prefill=0)
+
+
 def test_tp_that_cannot_split_the_heads_is_refused(ray_cluster, engine_config):
     tp3 = EngineSizing(tensor_parallel_size=3)
     dep = Deployment(DeploymentConfig(engine=engine_config, prefill_sizing=tp3, decode_sizing=tp3))
