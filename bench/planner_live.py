@@ -7,7 +7,7 @@ One `pdserve serve` has `--planner` (with a performance model fitted on this mac
 `pdserve probe`, then the tuner's fit); the other keeps its split. Prints TTFT and ITL p90,
 goodput per half and the planner's decisions, and the second half's ratios.
 
-    python -m bench.planner_live [--probe bench/results/probe.json] [--half 60] [--interval 10]
+    python -m bench.planner_live [--probe bench/results/probe.json] [--half 60] [--interval 10] [--no-switch-roles]
 
 Without `--probe` (or if the file is missing) it runs the probe first (a few minutes).
 """
@@ -87,6 +87,8 @@ class _Served:
         self.label = "planner" if model else "static"
         command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill), "--decode", str(args.decode)]
         command += ["--listen", self.target, "--metrics-port", "0", "--drain-timeout", "5"]
+        if args.switch_roles:
+            command += ["--switch-roles"]
         if model:
             command += ["--planner", "--planner-model", str(model), "--interval", str(args.interval)]
             command += ["--cooldown", str(args.cooldown), "--ttft-slo", str(args.ttft_slo), "--itl-slo", str(args.itl_slo)]
@@ -157,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--half", type=float, default=60.0, help="seconds of each traffic mix")
     parser.add_argument("--decode-rate", type=float, default=2.0, help="req/s of the decode-heavy half")
     parser.add_argument("--prefill-rate", type=float, default=3.0, help="req/s of the prefill-heavy half")
+    parser.add_argument(
+        "--switch-roles", action=argparse.BooleanOptionalAction, default=True,
+        help="both runs serve with --switch-roles: a split change moves an engine (no restart)",
+    )
     parser.add_argument("--interval", type=float, default=10.0)
     parser.add_argument("--cooldown", type=float, default=20.0)
     parser.add_argument("--ttft-slo", type=float, default=1.0)
@@ -167,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     results = run(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
-    print(f"\n{args.prefill}P:{args.decode}D at start; {args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
+    change = "moving an engine" if args.switch_roles else "restarting engines"
+    print(f"\n{args.prefill}P:{args.decode}D at start, a split change by {change}; {args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
           f"{args.half:.0f} s prefill-heavy at {args.prefill_rate} req/s; SLO TTFT <= {args.ttft_slo} s, ITL <= {args.itl_slo} s")
     for label, result in results.items():
         for half in ("first_half", "second_half"):
