@@ -44,7 +44,7 @@ class PlannerConfig:
     instances: int  # the budget: prefill + decode engines, every split uses all of them
     slo: SLO
     interval_s: float = 60.0  # how often the controller observes and calls `step` (its clock, not ours)
-    cooldown_s: float = 180.0  # least time between two changes (a change restarts engines)
+    cooldown_s: float = 180.0  # least time between two changes (one restarts engines, or drains one under --switch-roles)
     hysteresis: float = 0.10  # least relative goodput gain worth a change
     rate_weight: float = 0.5  # the newest interval's weight in the forecast rate
     correction_weight: float = 0.5  # how far one interval moves a correction toward its target
