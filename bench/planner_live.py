@@ -174,7 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     change = "moving an engine" if args.switch_roles else "restarting engines"
-    print(f"\n{args.prefill}P:{args.decode}D at start, a split change by {change}; {args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
+    print(f"\n{args.prefill}P:{args.decode}D at start, a split change by {change}; "
+          f"{args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
           f"{args.half:.0f} s prefill-heavy at {args.prefill_rate} req/s; SLO TTFT <= {args.ttft_slo} s, ITL <= {args.itl_slo} s")
     for label, result in results.items():
         for half in ("first_half", "second_half"):
