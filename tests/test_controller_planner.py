@@ -78,3 +78,20 @@ def test_a_change_that_cannot_be_made_is_recorded_and_seen_as_not_made():
     now[0] = 120.0
     second = asyncio.run(loop.step())
     assert second.current.label == "1P:2D"  # the next observation reads the running split back
+
+
+def test_a_budget_above_the_running_engines_grows_the_pool_that_needs_it():
+    """--gpu-budget 5 over 1P:2D: traffic that one prefill engine cannot carry grows the
+    prefill pool within the budget (the new engines' placement groups are what Ray's
+    autoscaler answers with nodes: tests/test_deploy_loopback.py)."""
+    from dataclasses import replace
+
+    pools, now = _Pools(1, 2), [0.0]
+    planner = ClosedLoopPlanner(replace(CONFIG, instances=5), PerformanceModel.seeds_example())
+    loop = PlanningLoop(planner, lambda: pools.split, pools.resize, clock=lambda: now[0])
+    loop.add(_report(0, rate=4.0, seconds=60, prompt=2000, output=10))
+    now[0] = 60.0
+    decision = asyncio.run(loop.step())
+    assert decision.changed and decision.current.label == "1P:2D"
+    (prefill, decode), = pools.resizes
+    assert prefill + decode == 5 and prefill > 1, pools.resizes
