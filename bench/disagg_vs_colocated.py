@@ -37,6 +37,17 @@ class Sample:
 
 
 @dataclass(frozen=True, slots=True)
+class Phases:
+    """Where a disaggregated TTFT goes (medians, ms): routing and the Ray hop before prefill,
+    the prefill engine (N-1 prompt tokens on a hybrid), and decode call -> first token (the
+    NIXL pull and decode's one step over the last prompt token)."""
+
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class Row:
     prompt_tokens: int
     colocated_ttft_ms: float
@@ -46,6 +57,7 @@ class Row:
     ttft_ratio: float
     decode_ratio: float
     disagg_bytes: int
+    disagg_phases: Phases
 
 
 def _prompt(length: int, rep: int) -> tuple[int, ...]:
@@ -65,7 +77,7 @@ async def _colocated(actor, request: GenerateRequest) -> Sample:
     return Sample(times[0] - start, _rate(times))
 
 
-async def _disaggregated(orchestrator, request: GenerateRequest) -> tuple[Sample, int]:
+async def _disaggregated(orchestrator, request: GenerateRequest) -> tuple[Sample, GenerationResult]:
     start = time.perf_counter()
     times: list[float] = []
     result: GenerationResult | None = None
@@ -75,7 +87,7 @@ async def _disaggregated(orchestrator, request: GenerateRequest) -> tuple[Sample
         else:
             times.extend([time.perf_counter()] * len(event.token_ids))
     assert result is not None
-    return Sample(times[0] - start, _rate(times)), result.timings.transfer_bytes.total
+    return Sample(times[0] - start, _rate(times)), result
 
 
 async def run(lengths: list[int], reps: int, max_tokens: int, model: str, tp: int = 1) -> list[Row]:
@@ -93,18 +105,26 @@ async def run(lengths: list[int], reps: int, max_tokens: int, model: str, tp: in
             # Warm-up for this shape (and, once, the NIXL handshake).
             await _colocated(colocated, GenerateRequest(f"wc-{length}", _prompt(length, 99), sampling))
             await _disaggregated(orchestrator, GenerateRequest(f"wd-{length}", _prompt(length, 99), sampling))
-            co, pd, moved = [], [], 0
+            co, pd, results = [], [], []
             for rep in range(reps):
                 prompt = _prompt(length, rep)
                 co.append(await _colocated(colocated, GenerateRequest(f"c-{length}-{rep}", prompt, sampling)))
-                sample, moved = await _disaggregated(orchestrator, GenerateRequest(f"d-{length}-{rep}", prompt, sampling))
+                sample, result = await _disaggregated(orchestrator, GenerateRequest(f"d-{length}-{rep}", prompt, sampling))
                 pd.append(sample)
+                results.append(result)
             c_ttft = statistics.median(s.ttft_s for s in co)
             d_ttft = statistics.median(s.ttft_s for s in pd)
             c_tps = statistics.median(s.decode_tokens_per_s for s in co)
             d_tps = statistics.median(s.decode_tokens_per_s for s in pd)
+            phases = Phases(
+                *(
+                    statistics.median(getattr(r.timings, phase) for r in results) * 1e3
+                    for phase in ("queue_s", "prefill_s", "transfer_s")
+                )
+            )
+            moved = results[-1].timings.transfer_bytes.total
             rows.append(
-                Row(length, c_ttft * 1e3, d_ttft * 1e3, c_tps, d_tps, d_ttft / c_ttft, d_tps / c_tps, moved)
+                Row(length, c_ttft * 1e3, d_ttft * 1e3, c_tps, d_tps, d_ttft / c_ttft, d_tps / c_tps, moved, phases)
             )
             _print_row(rows[-1])
     finally:
@@ -117,7 +137,9 @@ def _print_row(r: Row) -> None:
     print(
         f"{r.prompt_tokens:>6} | TTFT colocated {r.colocated_ttft_ms:8.1f} ms  disagg {r.disagg_ttft_ms:8.1f} ms  "
         f"ratio {r.ttft_ratio:5.2f}x | decode colocated {r.colocated_decode_tps:6.1f} tok/s  "
-        f"disagg {r.disagg_decode_tps:6.1f} tok/s  ratio {r.decode_ratio:5.2f}x | moved {r.disagg_bytes:,} B",
+        f"disagg {r.disagg_decode_tps:6.1f} tok/s  ratio {r.decode_ratio:5.2f}x | moved {r.disagg_bytes:,} B\n"
+        f"       disaggregated TTFT: routing + Ray hop {r.disagg_phases.queue_ms:.1f} ms, prefill engine "
+        f"{r.disagg_phases.prefill_ms:.1f} ms, decode call -> first token {r.disagg_phases.transfer_ms:.1f} ms",
         flush=True,
     )
 
