@@ -113,15 +113,16 @@ def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int) -> _System:
     return _System(f"stock vLLM x{len(cores)}", commands)
 
 
-def pdserve(model: str, prefill: int, decode: int, eager: bool, engine_path: str = "auto") -> _System:
+def pdserve(model: str, prefill: int, decode: int, eager: bool, engine_path: str = "auto", flags: str = "") -> _System:
     port = _free_port()
     command = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--prefill", str(prefill)]
     command += ["--decode", str(decode), "--listen", f"127.0.0.1:{_free_port()}", "--metrics-port", "0"]
     command += ["--http", f"127.0.0.1:{port}", "--served-model-name", MODEL_NAME]
-    command += ["--enforce-eager" if eager else "--no-enforce-eager", "--engine-path", engine_path]
+    command += ["--enforce-eager" if eager else "--no-enforce-eager", "--engine-path", engine_path, *flags.split()]
     name = "pdserve colocated" if prefill == 0 else f"pdserve {prefill}P+{decode}D"
     name += " (eager)" if eager else ""
     name += f" ({engine_path})" if engine_path != "auto" else ""
+    name += f" ({flags})" if flags else ""
     return _System(name, [(command, {}, f"http://127.0.0.1:{port}")])
 
 
@@ -226,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         "--pdserve-engine-path", choices=["auto", "inprocess", "async"], default="auto",
         help="pdserve's engine path (auto: in-process LLMEngine on CPU; async: vLLM's AsyncLLM, engine core in its own process)",
     )
+    parser.add_argument(
+        "--pdserve-flags", default="", help='more `pdserve serve` flags, e.g. "--max-num-batched-tokens 2048"'
+    )
     systems = ["stock", "colocated", "1p1d"]
     parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
     parser.add_argument("--json", type=Path, help="write every rate point here")
@@ -234,8 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     cores = sorted(os.sched_getaffinity(0))[:2]
     builders = {
         "stock": lambda: stock_vllm(model, cores, args.kv_cache_bytes),
-        "colocated": lambda: pdserve(args.model, 0, 2, args.pdserve_eager, args.pdserve_engine_path),
-        "1p1d": lambda: pdserve(args.model, 1, 1, args.pdserve_eager, args.pdserve_engine_path),
+        "colocated": lambda: pdserve(args.model, 0, 2, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags),
+        "1p1d": lambda: pdserve(args.model, 1, 1, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags),
     }
     points: list[RatePoint] = []
     names: list[str] = []
