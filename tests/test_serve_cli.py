@@ -68,3 +68,12 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
         if serve.poll() is None:
             os.killpg(serve.pid, signal.SIGKILL)
             serve.wait()
+
+
+def test_serve_refuses_role_switching_with_per_pool_engine_settings_before_any_cluster(capsys, model_path):
+    from router.cli import main
+
+    assert main(["serve", "--model", model_path, "--switch-roles", "--decode-max-num-seqs", "64"]) == 2
+    assert "both pools run one engine configuration" in capsys.readouterr().err
+    assert main(["serve", "--model", model_path, "--switch-roles", "--prefill", "0"]) == 2
+    assert "--prefill >= 1" in capsys.readouterr().err
