@@ -2,7 +2,8 @@
 
 Starts `pdserve serve` (a controller, N router actors, 1 prefill + 2 decode actors by
 default), streams C concurrent gRPC requests of T tokens through it (one connection per
-stream, so routers sharing the port all get some), and reads the process CPU time (user +
+stream, so routers sharing the port all get some; kept across rounds, as gRPC clients keep
+their channels, unless --fresh-connections), and reads the process CPU time (user +
 system) of the router processes and of each decode actor before and after. Prints CPU
 milliseconds per streamed token for the routers and for the decode actor processes, and how
 much of the latter is outside the engine step (the engines' own
@@ -14,7 +15,8 @@ much of the latter is outside the engine step (the engines' own
 The routers' CPU is also split by thread: Python's main thread (asyncio: gRPC handlers,
 orchestrator, protobuf) apart from Ray's C++ IO thread and gRPC's pollers. With
 `--worker-niceness A B` or `--routers A B` one server per value runs, their rounds
-interleaved, and the ratios are printed. `--router-cpu F` caps every router process at F
+interleaved, and the ratios are printed; `--baseline-tree DIR` adds a server running the
+code of another checkout, to measure a change side by side. `--router-cpu F` caps every router process at F
 of a core (a CPU cgroup each): the router is then the bottleneck, which shows how tokens/s
 grows with the number of routers when the engines are not what limits it.
 """
@@ -150,17 +152,19 @@ async def _wait_ready(target: str, timeout_s: float) -> None:
             await asyncio.sleep(1)
 
 
-async def _round(target: str, config: LoadConfig, seed: int) -> tuple[int, float, LatencySummary]:
-    specs = synthetic_workload(1e6, config.num_requests, config.profile, seed)  # all at once
-    # One connection per stream: gRPC shares one between channels to the same target unless
-    # each has its own subchannel pool.
+def _connect(target: str, streams: int) -> list[grpc.aio.Channel]:
+    """One connection per stream: gRPC shares one between channels to the same target unless
+    each has its own subchannel pool."""
     options = [("grpc.use_local_subchannel_pool", 1)]
-    channels = [grpc.aio.insecure_channel(target, options=options) for _ in specs]
-    try:
-        started = time.perf_counter()
-        report = await run_workload(channels, specs, config, "round", None)
-    finally:
-        await asyncio.gather(*(channel.close() for channel in channels))
+    return [grpc.aio.insecure_channel(target, options=options) for _ in range(streams)]
+
+
+async def _round(
+    channels: list[grpc.aio.Channel], config: LoadConfig, seed: int
+) -> tuple[int, float, LatencySummary]:
+    specs = synthetic_workload(1e6, config.num_requests, config.profile, seed)  # all at once
+    started = time.perf_counter()
+    report = await run_workload(channels, specs, config, "round", None)
     if report.summary.completed != len(specs):
         raise RuntimeError(f"{len(specs) - report.summary.completed} of {len(specs)} streams failed")
     tokens = sum(len(r.token_times_s) for r in report.requests)
@@ -171,8 +175,10 @@ class _Server:
     """One `pdserve serve` process (its own local cluster); `niceness`: its engines' nice
     value (Ray's RAY_worker_niceness), None for pdserve's default; `routers`: --routers."""
 
-    def __init__(self, args: argparse.Namespace, niceness: str | None, routers: int) -> None:
+    def __init__(self, args: argparse.Namespace, niceness: str | None, routers: int, tree: Path | None = None) -> None:
         parts = [f"engines at nice {niceness}" if niceness is not None else "", f"{routers} router(s)"]
+        if tree is not None:
+            parts.append(f"code from {tree}")
         if args.router_cpu:
             parts.append(f"{args.router_cpu:g} core each")
         self.label = ", ".join(p for p in parts if p)
@@ -185,24 +191,28 @@ class _Server:
         command += ["--prometheus-sd-file", str(self.sd_file)]
         env = dict(os.environ) | ({"RAY_worker_niceness": niceness} if niceness is not None else {})
         print(f"starting pdserve serve ({args.prefill}P + {args.decode}D, {self.label}) ...", file=sys.stderr)
+        # Ray's workers import from the driver's sys.path, whose first entry is its cwd.
         self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env, cwd=tree
         )
         self.serve = psutil.Process(self.process.pid)
         self.routers: list[psutil.Process] = []
         self.decode: list[psutil.Process] = []
         self.expected = {"RouterActor": routers, "DecodeActor": args.decode}
         self.cap = _CpuCap(args.router_cpu) if args.router_cpu else None
+        self.fresh_connections = args.fresh_connections
+        self.channels: list[grpc.aio.Channel] = []
 
-    def ready(self, config: LoadConfig) -> None:
-        asyncio.run(_wait_ready(self.target, timeout_s=300))
+    async def ready(self, config: LoadConfig) -> None:
+        await _wait_ready(self.target, timeout_s=300)
         self.routers, self.decode = (_actors(self.serve, name) for name in ("RouterActor", "DecodeActor"))
         for found, (name, expected) in zip((self.routers, self.decode), self.expected.items()):
             if len(found) != expected:
                 raise RuntimeError(f"found {len(found)} {name} processes, expected {expected}")
         for router in self.routers if self.cap else ():
             self.cap.apply(router)
-        asyncio.run(_round(self.target, config, seed=1000))  # warm: handshakes, first steps
+        self.channels = _connect(self.target, config.num_requests)
+        await _round(self.channels, config, seed=1000)  # warm: connections, handshakes, first steps
 
     def _routers_by_thread(self) -> dict[str, float]:
         totals: dict[str, float] = {}
@@ -211,9 +221,12 @@ class _Server:
                 totals[name] = totals.get(name, 0.0) + seconds
         return totals
 
-    def round(self, config: LoadConfig, seed: int) -> Round:
+    async def round(self, config: LoadConfig, seed: int) -> Round:
+        if self.fresh_connections:  # the routers' CPU then includes accepting them
+            await asyncio.gather(*(channel.close() for channel in self.channels))
+            self.channels = _connect(self.target, config.num_requests)
         before = (_cpu_s(self.routers), _cpu_s(self.decode), self._step_cpu_s(), self._routers_by_thread())
-        tokens, seconds, itl = asyncio.run(_round(self.target, config, seed))
+        tokens, seconds, itl = await _round(self.channels, config, seed)
         after = (_cpu_s(self.routers), _cpu_s(self.decode), self._step_cpu_s(), self._routers_by_thread())
         threads = {name: t - before[3].get(name, 0.0) for name, t in after[3].items()}
         deltas = [a - b for a, b in zip(after[:3], before[:3])]
@@ -231,7 +244,8 @@ class _Server:
                     total += sum(sample.value for sample in family.samples if sample.name.endswith("_total"))
         return total
 
-    def stop(self) -> None:
+    async def stop(self) -> None:
+        await asyncio.gather(*(channel.close() for channel in self.channels))
         if self.cap is not None:
             self.cap.release()
         os.killpg(self.process.pid, signal.SIGINT)  # serve shuts its cluster down
@@ -242,20 +256,21 @@ class _Server:
         self._sd_dir.cleanup()
 
 
-def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
+async def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
     """Rounds per server, interleaved (round 1 on each, then round 2 ...) so that the box's
     drift over the run falls on every configuration alike."""
     ratio = args.prompt_tokens / args.tokens
     profile = LengthProfile((args.tokens, args.tokens), (ratio, ratio))
     config = LoadConfig(num_requests=args.streams, profile=profile, time_limit_s=600, warmup=0, progress=False)
-    servers = [_Server(args, n, r) for n in (args.worker_niceness or [None]) for r in args.routers]
+    servers = [_Server(args, None, args.routers[0], args.baseline_tree)] if args.baseline_tree else []
+    servers += [_Server(args, n, r) for n in (args.worker_niceness or [None]) for r in args.routers]
     try:
         for server in servers:
-            server.ready(config)
+            await server.ready(config)
         rounds: dict[str, list[Round]] = {s.label: [] for s in servers}
         for i in range(args.rounds):
             for server in servers:
-                r = server.round(config, seed=i)
+                r = await server.round(config, seed=i)
                 rounds[server.label].append(r)
                 print(
                     f"round {i + 1}/{args.rounds}, {server.label}: {r.tokens} tokens in {r.seconds:.1f}s; "
@@ -265,7 +280,7 @@ def measure(args: argparse.Namespace) -> dict[str, list[Round]]:
         return rounds
     finally:
         for server in servers:
-            server.stop()
+            await server.stop()
 
 
 def _median(rounds: list[Round]) -> Round:
@@ -305,9 +320,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--routers", type=int, nargs="+", default=[1], help="compare these router counts")
     parser.add_argument("--router-cpu", type=float, help="cap each router process at this fraction of a core")
+    parser.add_argument(
+        "--fresh-connections",
+        action="store_true",
+        help="open new connections every round (default: each stream keeps its connection, as gRPC clients should)",
+    )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also run pdserve from this checkout (e.g. `git worktree add /tmp/base HEAD~1`) and compare",
+    )
     parser.add_argument("--json", type=Path, help="write the rounds here")
     args = parser.parse_args(argv)
-    results = measure(args)
+    results = asyncio.run(measure(args))
     shape = f"{args.streams} streams x {args.tokens} tokens through {args.prefill}P + {args.decode}D"
     print(f"\n{shape}, {args.rounds} rounds each")
     for label, rounds in results.items():

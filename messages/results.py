@@ -9,8 +9,19 @@ from messages.timings import PhaseTimings
 from messages.transfer import TransferHandle
 
 
+class PicklesPositionally:
+    """For messages sent once per engine step per request: pickled as (class, field values),
+    which (un)pickles 2-3x faster than a slotted dataclass's default, whose state methods
+    walk `dataclasses.fields()` for every object."""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[type, tuple[object, ...]]:
+        return type(self), tuple(getattr(self, name) for name in self.__slots__)  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True, slots=True)
-class TokenChunk:
+class TokenChunk(PicklesPositionally):
     """New tokens of one request since the previous chunk."""
 
     token_ids: tuple[int, ...]
@@ -19,6 +30,17 @@ class TokenChunk:
     # Per token, when requested: top alternatives as (token id, logprob), best first.
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
+
+    @classmethod
+    def joined(cls, chunks: "list[TokenChunk]") -> "TokenChunk":
+        """Consecutive chunks of one request as one; `produced_at` is the first one's."""
+        return cls(
+            token_ids=tuple(t for c in chunks for t in c.token_ids),
+            text="".join(c.text for c in chunks),
+            finish_reason=chunks[-1].finish_reason,
+            logprobs=tuple(p for c in chunks for p in c.logprobs),
+            produced_at=chunks[0].produced_at,
+        )
 
 
 # A decode feed is a lease: its router renews it every FEED_RENEW_S; one not renewed for
@@ -29,7 +51,7 @@ FEED_RENEW_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class LegEvent:
+class LegEvent(PicklesPositionally):
     """One request's news in a decode feed's batch: its new tokens, or the error that ended
     it. `leg_id` is the id the engine serves the request under."""
 

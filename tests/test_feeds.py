@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from decode_worker.feed import FeedHub
-from messages.results import TokenChunk
+from messages.results import LegEvent, TokenChunk
 
 
 async def _tokens(step: asyncio.Event, n: int, closed: list[str], name: str):
@@ -114,3 +114,65 @@ def test_a_feed_left_unrenewed_ends_and_aborts_its_requests():
     assert isinstance(ended[0], StopAsyncIteration)  # the unrenewed feed ended
     assert aborted == ["r-dead"]  # with its request; the renewed one goes on
     assert alive
+
+
+class _SilentActor:
+    """A decode actor whose feed never sends anything (the router's side under test)."""
+
+    class _Method:
+        def __init__(self, reply):
+            self._reply = reply
+
+        def remote(self, *args):
+            return self._reply()
+
+    def __init__(self):
+        async def silence():
+            await asyncio.Event().wait()
+            yield
+
+        self.feed = self._Method(silence)
+        self.renew_feed = self._Method(lambda: None)
+
+
+def test_a_request_takes_every_event_that_arrived_and_joins_their_tokens():
+    from router.feeds import LegInbox
+
+    async def scenario():
+        inbox = LegInbox(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(inbox.take())
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        inbox.put(LegEvent("a", TokenChunk((1,), "x", None, ((1, -0.5),), produced_at=1.0)))
+        inbox.put(LegEvent("a", TokenChunk((2, 3), "yz", "length", ((2, -0.1), (3, -0.2)), produced_at=2.0)))
+        return await waiting
+
+    events = asyncio.run(scenario())
+    assert len(events) == 2
+    joined = TokenChunk.joined([e.chunk for e in events])
+    assert joined == TokenChunk((1, 2, 3), "xyz", "length", ((1, -0.5), (2, -0.1), (3, -0.2)), produced_at=1.0)
+
+
+def test_a_request_that_hears_nothing_for_the_stall_timeout_fails_naming_the_actor():
+    from messages.errors import DecodeFailedError
+    from router.feeds import DecodeFeed
+
+    async def scenario():
+        feed = DecodeFeed("decode-7", _SilentActor(), stall_timeout_s=0.05)
+        quiet, busy = feed.open_leg("quiet-leg"), feed.open_leg("busy-leg")
+        await asyncio.sleep(0.1)
+        busy.put(LegEvent("busy-leg", TokenChunk((1,), "x")))
+        feed.fail_stalled()
+        return await quiet.take(), await busy.take()
+
+    (stalled,), (event,) = asyncio.run(scenario())
+    assert isinstance(stalled, DecodeFailedError)
+    assert "decode-7" in str(stalled) and "quiet-leg" in str(stalled)
+    assert event.chunk.token_ids == (1,)
+
+
+def test_per_step_messages_survive_pickling():
+    import pickle
+
+    event = LegEvent("leg", TokenChunk((5, 6), "ab", "stop", ((5, -1.0),), produced_at=3.5))
+    assert pickle.loads(pickle.dumps([event, LegEvent("leg", error=ValueError("bad"))]))[0] == event
