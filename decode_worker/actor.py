@@ -14,6 +14,7 @@ from vllm_engine.engine import exit_for_restart
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class DecodeActor(DecodeWorker):
     def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
-        channel = pick_side_channel(ray.util.get_node_ip_address()) if transfer else None
-        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
-        self._metrics_address = serve_metrics(ray.util.get_node_ip_address())
+        node_ip = ray.util.get_node_ip_address()
+        channel = pick_side_channel(node_ip) if transfer else None
+        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart, feed_host=node_ip)
+        self._metrics_address = serve_metrics(node_ip)

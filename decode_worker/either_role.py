@@ -22,6 +22,9 @@ from vllm_engine.engine import exit_for_restart
 @ray.remote(num_cpus=0, max_concurrency=1000)
 class EitherRoleActor(PrefillDuty, DecodeWorker):
     def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig) -> None:
-        channel = pick_side_channel(ray.util.get_node_ip_address())
-        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart, role=Role.EITHER)
-        self._metrics_address = serve_metrics(ray.util.get_node_ip_address())
+        node_ip = ray.util.get_node_ip_address()
+        channel = pick_side_channel(node_ip)
+        super().__init__(
+            name, engine_config, transfer, channel, on_fatal=exit_for_restart, role=Role.EITHER, feed_host=node_ip
+        )
+        self._metrics_address = serve_metrics(node_ip)

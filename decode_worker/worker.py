@@ -5,8 +5,8 @@ producer named in the handle (NixlConnector READ), then decodes; every engine st
 all running requests together. Without a handle the engine prefills the prompt itself,
 which is also how the colocated baseline runs (`transfer=None`: no connector at all).
 
-Routers use the batched form: `feed(subscriber)` streams, a batch per engine step, the
-tokens of every request the subscriber started with `start_leg` (decode_worker/feed.py).
+Routers use the batched form: the feed at `feed_address()` streams, a batch per engine step,
+the tokens of every request the subscriber started with `start_leg` (decode_worker/feed.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
-from decode_worker.feed import FeedHub
+from decode_worker.feed import FeedHub, FeedServer
 from kv_transfer.connector_config import (
     Role,
     SideChannel,
@@ -25,7 +25,7 @@ from kv_transfer.connector_config import (
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
 from messages.errors import TransferFailedError
 from messages.requests import GenerateRequest
-from messages.results import LegEvent, TokenChunk
+from messages.results import TokenChunk
 from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
 from vllm_engine.sampling import sampling_params
@@ -44,10 +44,13 @@ class DecodeWorker(EngineWorker):
         channel: SideChannel | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         role: Role = Role.DECODE,
+        feed_host: str = "127.0.0.1",
     ) -> None:
+        """`feed_host`: the address routers reach this worker's feeds at (its node's)."""
         self.name = name
         self._transfer = transfer
         self._feeds = FeedHub()
+        self._feed_server = FeedServer(self._feeds, feed_host)
         if transfer is None:
             self.engine_id = f"colocated-{name}"
             self._start_engine(engine_config, on_fatal=on_fatal)
@@ -77,10 +80,10 @@ class DecodeWorker(EngineWorker):
         async for chunk in self._admit(request, handle):
             yield chunk
 
-    async def feed(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
-        """Every request `subscriber` starts with `start_leg`, a batch per engine step."""
-        async for batch in self._feeds.stream(subscriber):
-            yield batch
+    async def feed_address(self) -> str:
+        """host:port of the feeds: a subscriber connects and gets, a batch per engine step,
+        every request it starts with `start_leg`."""
+        return await self._feed_server.address()
 
     async def start_leg(self, subscriber: str, request: GenerateRequest, handle: TransferHandle | None) -> None:
         """Start decoding into `subscriber`'s feed; a bad request or an expired handle is

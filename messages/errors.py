@@ -57,6 +57,11 @@ class DecodeFailedError(RuntimeError):
     """The decode engine serving the request died or stalled."""
 
 
+class FeedLostError(ConnectionError):
+    """A decode actor's token feed to this router broke: the actor died (or the network
+    failed); its requests move to another decode actor, as for any decode actor's death."""
+
+
 class EngineDeadError(RuntimeError):
     """The engine can no longer serve: its actor exits so that Ray restarts it."""
 
@@ -69,6 +74,7 @@ UNAVAILABLE: dict[type[BaseException], str] = {
     PrefillFailedError: "prefill failed: retry",
     PrefillTimeoutError: "prefill timed out: retry",
     DecodeFailedError: "the decode engine serving this request failed: retry",
+    FeedLostError: "the decode engine serving this request failed: retry",
     EngineDeadError: "an engine serving this request died: retry",
     DrainingError: "this router is shutting down: retry on another",
 }

@@ -1,17 +1,17 @@
-"""The router's end of the decode feeds (decode_worker/feed.py): one Ray stream per decode
+"""The router's end of the decode feeds (decode_worker/feed.py): one connection per decode
 actor for this router process, fanned out to the requests it carries."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import time
 import uuid
 from typing import Any
 
-import ray
-
-from messages.errors import DecodeFailedError
+from decode_worker.feed import FRAME_HEADER_BYTES
+from messages.errors import DecodeFailedError, FeedLostError
 from messages.results import FEED_RENEW_S, LegEvent
 
 log = logging.getLogger(__name__)
@@ -54,19 +54,21 @@ class LegInbox:
 
 class DecodeFeed:
     """This router's feed from the decode actor `name`. Each request reads its own inbox of
-    LegEvents; if the feed breaks (the actor died), every request on it gets the error, and
-    a request that hears nothing for `stall_timeout_s` gets a DecodeFailedError. While it
-    runs, the router renews it: a feed left unrenewed (its router died) ends on the actor,
-    with every request on it."""
+    LegEvents; if the feed breaks (the actor died), every request on it gets a FeedLostError,
+    and a request that hears nothing for `stall_timeout_s` gets a DecodeFailedError. Closing
+    it ends the feed on the actor, with every request on it; while it runs, the router also
+    renews its lease there (which ends a feed whose router vanished without closing it)."""
 
     def __init__(self, name: str, actor: Any, stall_timeout_s: float) -> None:
         self.name = name
         self.actor = actor
-        self.subscriber = f"router-{uuid.uuid4().hex[:12]}"
+        self.subscriber = f"router-{uuid.uuid4().hex}"
         self._stall_timeout_s = stall_timeout_s
         self._legs: dict[str, LegInbox] = {}
-        self._stream = actor.feed.remote(self.subscriber)
         self._loop = asyncio.get_running_loop()
+        # Set once the actor has opened the feed (requests started before would be lost):
+        # None, or the error that kept it from opening.
+        self._opened: asyncio.Future[BaseException | None] = self._loop.create_future()
         self._pump: asyncio.Task[None] = self._loop.create_task(self._run())
         self._renewal: asyncio.Task[None] = self._loop.create_task(self._tend())
 
@@ -75,6 +77,12 @@ class DecodeFeed:
         """False once the feed broke, or when asked from another event loop than its own
         (tests run each call in a fresh loop; a server has one)."""
         return not self._pump.done() and self._loop is asyncio.get_running_loop()
+
+    async def opened(self) -> None:
+        """Wait until requests can start on this feed; raises FeedLostError if it never opens."""
+        error = await asyncio.shield(self._opened)
+        if error is not None:
+            raise error
 
     def open_leg(self, leg_id: str) -> LegInbox:
         """Listen for `leg_id` before starting it, so no early batch is missed."""
@@ -85,9 +93,10 @@ class DecodeFeed:
         self._legs.pop(leg_id, None)
 
     def close(self) -> None:
-        """End the feed on the actor too, which aborts any request still on it."""
+        """End the feed on the actor too (its connection closes), which aborts any request
+        still on it."""
         self._renewal.cancel()
-        ray.cancel(self._stream)
+        self._pump.cancel()
 
     async def _tend(self) -> None:
         """Renew the feed's lease, and fail requests that have stalled."""
@@ -109,16 +118,31 @@ class DecodeFeed:
                 )
 
     async def _run(self) -> None:
+        writer: asyncio.StreamWriter | None = None
         try:
-            async for ref in self._stream:
-                for event in await ref:
+            host, port = (await self.actor.feed_address.remote()).rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(f"{self.subscriber}\n".encode())
+            if int.from_bytes(await reader.readexactly(FRAME_HEADER_BYTES), "big") != 0:
+                raise ConnectionError("the decode actor did not open the feed")
+            self._opened.set_result(None)
+            while True:
+                size = int.from_bytes(await reader.readexactly(FRAME_HEADER_BYTES), "big")
+                for event in pickle.loads(await reader.readexactly(size)):
                     inbox = self._legs.get(event.leg_id)
                     if inbox is not None:  # None: the request left and aborted it
                         inbox.put(event)
-            raise ConnectionError("decode feed ended")  # only a dying actor ends it
         except asyncio.CancelledError:
             raise
-        except Exception as err:  # every listener must hear of it
-            log.warning("decode feed from %s broke: %r", self.subscriber, err)
+        except Exception as err:  # only a dying actor (or network) ends it: every listener must hear of it
+            log.warning("decode feed from %s (%s) broke: %r", self.name, self.subscriber, err)
+            lost = FeedLostError(f"the feed from decode actor {self.name} broke: {err!r}")
+            if not self._opened.done():
+                self._opened.set_result(lost)
             for inbox in self._legs.values():
-                inbox.put(err)
+                inbox.put(lost)
+        finally:
+            if not self._opened.done():  # closed before it opened
+                self._opened.set_result(FeedLostError(f"the feed from decode actor {self.name} was closed"))
+            if writer is not None:
+                writer.close()

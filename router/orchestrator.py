@@ -20,7 +20,7 @@ from typing import AsyncIterator, Literal
 import ray
 from ray.exceptions import RayActorError
 
-from messages.errors import DecodeFailedError, NoWorkerError, PrefillTimeoutError
+from messages.errors import DecodeFailedError, FeedLostError, NoWorkerError, PrefillTimeoutError
 from messages.requests import GenerateRequest, ModelLimits
 from messages.results import GenerationResult, PrefillResult, TokenChunk
 from messages.timings import LatencySummary, PhaseTimings
@@ -117,7 +117,7 @@ class Orchestrator:
                 async for chunk in self._decode(decode_member, leg, handle, progress):
                     yield chunk
                 break
-            except RayActorError as err:
+            except (RayActorError, FeedLostError) as err:  # the decode actor died
                 decode_member.alive = False
                 if self.policy.on_decode_failure == "fail" or migrations >= self.policy.max_migrations:
                     raise DecodeFailedError(
@@ -152,11 +152,12 @@ class Orchestrator:
         inbox = feed.open_leg(request.request_id)
         started = finished = False
         try:
+            await feed.opened()
             await member.actor.start_leg.remote(feed.subscriber, request, handle)
             while not finished:
                 chunks: list[TokenChunk] = []
                 for event in await inbox.take():
-                    if isinstance(event, BaseException):  # the feed broke (the actor died) or stalled
+                    if isinstance(event, BaseException):  # the feed broke (the actor died) or it stalled
                         raise event
                     if event.error is not None:
                         raise event.error

@@ -127,11 +127,7 @@ class _SilentActor:
             return self._reply()
 
     def __init__(self):
-        async def silence():
-            await asyncio.Event().wait()
-            yield
-
-        self.feed = self._Method(silence)
+        self.feed_address = self._Method(lambda: asyncio.Event().wait())  # never connects
         self.renew_feed = self._Method(lambda: None)
 
 
@@ -176,3 +172,62 @@ def test_per_step_messages_survive_pickling():
 
     event = LegEvent("leg", TokenChunk((5, 6), "ab", "stop", ((5, -1.0),), produced_at=3.5))
     assert pickle.loads(pickle.dumps([event, LegEvent("leg", error=ValueError("bad"))]))[0] == event
+
+
+class _ActorServing:
+    """A decode actor's feed side, real FeedHub and FeedServer on a loopback socket."""
+
+    def __init__(self):
+        from decode_worker.feed import FeedServer
+
+        self.hub = FeedHub()
+        self.server = FeedServer(self.hub, "127.0.0.1")
+        self.feed_address = _SilentActor._Method(self.server.address)
+        self.renew_feed = _SilentActor._Method(lambda: None)
+
+
+def test_tokens_cross_the_feed_connection_and_closing_it_aborts_the_requests():
+    from router.feeds import DecodeFeed
+
+    async def scenario():
+        actor, step, closed = _ActorServing(), asyncio.Event(), []
+        feed = DecodeFeed("decode-0", actor, stall_timeout_s=60)
+        await feed.opened()  # as the orchestrator does before starting requests
+        inboxes = {name: feed.open_leg(name) for name in ("r1", "r2")}
+        actor.hub.start(feed.subscriber, "r1", _tokens(step, 2, closed, "r1"))
+        actor.hub.start(feed.subscriber, "r2", _tokens(step, 10, closed, "r2"))
+        step.set()
+        received = []
+        while len(received) < 2 or received[-1].chunk.finish_reason is None:
+            received += await inboxes["r1"].take()
+        feed.close()  # r2 is still running: the actor must abort it
+        for _ in range(100):
+            if "r2" in closed:
+                break
+            await asyncio.sleep(0.01)
+        return [e.chunk.token_ids for e in received], closed
+
+    r1_tokens, closed = asyncio.run(scenario())
+    assert r1_tokens == [(0,), (1,)]
+    assert sorted(closed) == ["r1", "r2"]
+
+
+def test_a_feed_connection_that_breaks_fails_every_request_on_it():
+    from messages.errors import FeedLostError
+    from router.feeds import DecodeFeed
+
+    async def scenario():
+        actor = _ActorServing()
+        feed = DecodeFeed("decode-3", actor, stall_timeout_s=60)
+        await feed.opened()
+        inbox = feed.open_leg("r1")
+        actor.hub.start(feed.subscriber, "r1", _tokens(asyncio.Event(), 5, [], "r1"))
+        actor.server._server.close()  # the actor dies: its sockets close
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__ == "FeedServer._serve":
+                task.cancel()
+        return await asyncio.wait_for(inbox.take(), 5), feed.usable
+
+    (event,), usable = asyncio.run(scenario())
+    assert isinstance(event, FeedLostError) and "decode-3" in str(event)
+    assert not usable
