@@ -130,9 +130,10 @@ FRAME_HEADER_BYTES = 4
 
 class FeedServer:
     """Serves a FeedHub's feeds over TCP, one connection per router process: the router
-    sends its subscriber id and a newline, then reads frames of batches until either side
-    closes (after an empty frame that says the feed is open). A router that goes away closes the connection, which ends its feed and aborts
-    its requests at once (the feed's lease still covers a peer that vanishes silently).
+    sends its subscriber id and a newline, then reads frames of batches (the first one
+    empty: the feed is open) until either side closes. A router that goes away closes the
+    connection, which ends its feed and aborts its requests at once (the feed's lease still
+    covers a peer that vanishes without closing it).
 
     Nothing is read from the connection but the subscriber id; like Ray's own transfers
     (pickled too), the data is for the cluster's trusted network only."""

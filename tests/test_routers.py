@@ -144,7 +144,8 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_c
         assert final is not None and final.finish_reason == "length" and len(tokens) == survivor_tokens
         assert tokens[: len(decisive)] == decisive
     # The dead router's two streams (2,000 tokens each) were aborted on the decode engine when
-    # their feed's lease ran out, not left to run; any prefill blocks went back within theirs.
+    # their feed's connection closed (its lease is the backstop), not left to run; any
+    # prefill blocks went back within theirs.
     settle_s = max(LEASE_S, FEED_TIMEOUT_S) + 5
     assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=settle_s), "blocks still held"
 
