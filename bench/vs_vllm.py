@@ -62,15 +62,21 @@ def _free_port() -> int:
 class _System:
     """Server processes behind one or more base URLs; stopped with their whole session."""
 
-    def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str], str]]) -> None:
+    def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str], str]], cwd: Path | None = None) -> None:
+        """`cwd`: run from this checkout (Ray's workers import from the driver's cwd)."""
         self.name = name
         self.urls = [url for _, _, url in commands]
-        prefix = f"vs-vllm-{name.replace(' ', '-')}-"
+        prefix = "vs-vllm-" + "".join(c if c.isalnum() or c in "+." else "-" for c in name) + "-"
         self._log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
         print(f"starting {name} (log: {self._log.name}) ...", file=sys.stderr)
         self._processes = [
             subprocess.Popen(
-                command, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+                command,
+                env={**os.environ, **env},
+                stdout=self._log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=cwd,
             )
             for command, env, _ in commands
         ]
@@ -113,7 +119,15 @@ def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int) -> _System:
     return _System(f"stock vLLM x{len(cores)}", commands)
 
 
-def pdserve(model: str, prefill: int, decode: int, eager: bool, engine_path: str = "auto", flags: str = "") -> _System:
+def pdserve(
+    model: str,
+    prefill: int,
+    decode: int,
+    eager: bool,
+    engine_path: str = "auto",
+    flags: str = "",
+    tree: Path | None = None,
+) -> _System:
     port = _free_port()
     command = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--prefill", str(prefill)]
     command += ["--decode", str(decode), "--listen", f"127.0.0.1:{_free_port()}", "--metrics-port", "0"]
@@ -123,7 +137,8 @@ def pdserve(model: str, prefill: int, decode: int, eager: bool, engine_path: str
     name += " (eager)" if eager else ""
     name += f" ({engine_path})" if engine_path != "auto" else ""
     name += f" ({flags})" if flags else ""
-    return _System(name, [(command, {}, f"http://127.0.0.1:{port}")])
+    name += f" (code from {tree})" if tree else ""
+    return _System(name, [(command, {}, f"http://127.0.0.1:{port}")], tree)
 
 
 def _bench(urls: list[str], model: str, rate: float, args: argparse.Namespace, out_dir: Path) -> list[dict]:
@@ -232,20 +247,37 @@ def main(argv: list[str] | None = None) -> int:
     )
     systems = ["stock", "colocated", "1p1d"]
     parser.add_argument("--systems", nargs="+", default=systems, choices=systems)
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also run each pdserve system from this checkout (e.g. `git worktree add /tmp/base HEAD~1`); "
+        "without stock, ratios are against it",
+    )
     parser.add_argument("--json", type=Path, help="write every rate point here")
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     cores = sorted(os.sched_getaffinity(0))[:2]
+    def pdserve_system(prefill: int, decode: int, tree: Path | None = None) -> _System:
+        return pdserve(
+            args.model, prefill, decode, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags, tree
+        )
+
     builders = {
         "stock": lambda: stock_vllm(model, cores, args.kv_cache_bytes),
-        "colocated": lambda: pdserve(args.model, 0, 2, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags),
-        "1p1d": lambda: pdserve(args.model, 1, 1, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags),
+        "colocated": lambda: pdserve_system(0, 2),
+        "1p1d": lambda: pdserve_system(1, 1),
     }
+    runs = [builders[key] for key in args.systems]
+    if args.baseline_tree:  # each pdserve system also with the other checkout's code, first
+        baseline = {"colocated": lambda: pdserve_system(0, 2, args.baseline_tree)}
+        baseline["1p1d"] = lambda: pdserve_system(1, 1, args.baseline_tree)
+        stock = runs[:1] if args.systems[0] == "stock" else []
+        runs = stock + [baseline[key] for key in args.systems if key in baseline] + runs[len(stock):]
     points: list[RatePoint] = []
     names: list[str] = []
     with tempfile.TemporaryDirectory(prefix="vs-vllm-") as out:
-        for key in args.systems:
-            system = builders[key]()
+        for build in runs:
+            system = build()
             names.append(system.name)
             try:
                 system.wait_ready(timeout_s=600)
