@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-from messages.results import FEED_TIMEOUT_S, LegEvent, TokenChunk
+from messages.results import FEED_FRAME_HEADER_BYTES, FEED_TIMEOUT_S, LegEvent, TokenChunk
 
 
 @dataclass(slots=True)
@@ -123,11 +123,6 @@ class FeedHub:
             await chunks.aclose()
 
 
-# A frame: the payload's length (4 bytes, big-endian), then a pickled list of LegEvents.
-# An empty frame first tells the router its feed is open: it may start requests on it.
-FRAME_HEADER_BYTES = 4
-
-
 class FeedServer:
     """Serves a FeedHub's feeds over TCP, one connection per router process: the router
     sends its subscriber id and a newline, then reads frames of batches (the first one
@@ -165,11 +160,11 @@ class FeedServer:
             watcher.add_done_callback(router_left)
             try:
                 self._hub.open(subscriber)
-                writer.write(bytes(FRAME_HEADER_BYTES))
+                writer.write(bytes(FEED_FRAME_HEADER_BYTES))
                 async with contextlib.aclosing(self._hub.stream(subscriber)) as batches:
                     async for batch in batches:
                         payload = pickle.dumps(batch, protocol=pickle.HIGHEST_PROTOCOL)
-                        writer.write(len(payload).to_bytes(FRAME_HEADER_BYTES, "big") + payload)
+                        writer.write(len(payload).to_bytes(FEED_FRAME_HEADER_BYTES, "big") + payload)
                         await writer.drain()
             finally:
                 watcher.remove_done_callback(router_left)

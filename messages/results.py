@@ -48,6 +48,10 @@ class TokenChunk(PicklesPositionally):
 # the decode engine aborts every request still on it.
 FEED_TIMEOUT_S = 10.0
 FEED_RENEW_S = 1.0
+# On a feed's connection (decode_worker/feed.py -> router/feeds.py), a frame is the payload's
+# length in these many bytes (big-endian), then a pickled list of LegEvents. An empty frame
+# first tells the router its feed is open: it may start requests on it.
+FEED_FRAME_HEADER_BYTES = 4
 
 
 @dataclass(frozen=True, slots=True)

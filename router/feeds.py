@@ -10,9 +10,8 @@ import time
 import uuid
 from typing import Any
 
-from decode_worker.feed import FRAME_HEADER_BYTES
 from messages.errors import DecodeFailedError, FeedLostError
-from messages.results import FEED_RENEW_S, LegEvent
+from messages.results import FEED_FRAME_HEADER_BYTES, FEED_RENEW_S, LegEvent
 
 log = logging.getLogger(__name__)
 
@@ -123,11 +122,11 @@ class DecodeFeed:
             host, port = (await self.actor.feed_address.remote()).rsplit(":", 1)
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(f"{self.subscriber}\n".encode())
-            if int.from_bytes(await reader.readexactly(FRAME_HEADER_BYTES), "big") != 0:
+            if int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big") != 0:
                 raise ConnectionError("the decode actor did not open the feed")
             self._opened.set_result(None)
             while True:
-                size = int.from_bytes(await reader.readexactly(FRAME_HEADER_BYTES), "big")
+                size = int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big")
                 for event in pickle.loads(await reader.readexactly(size)):
                     inbox = self._legs.get(event.leg_id)
                     if inbox is not None:  # None: the request left and aborted it
