@@ -74,6 +74,10 @@ class FeedHub:
             self._reaper = asyncio.get_running_loop().create_task(self._expire_unrenewed())
         return feed
 
+    def is_streaming(self, subscriber: str) -> bool:
+        feed = self._feeds.get(subscriber)
+        return feed is not None and feed.streaming
+
     def renew(self, subscriber: str) -> None:
         feed = self._feeds.get(subscriber)
         if feed is not None:
@@ -130,12 +134,14 @@ class FeedServer:
     connection, which ends its feed and aborts its requests at once (the feed's lease still
     covers a peer that vanishes without closing it).
 
-    Nothing is read from the connection but the subscriber id; like Ray's own transfers
+    Nothing is read from the connection but the subscriber id (one line, within
+    `hello_timeout_s`; a second reader of a feed is refused); like Ray's own transfers
     (pickled too), the data is for the cluster's trusted network only."""
 
-    def __init__(self, hub: FeedHub, host: str) -> None:
+    def __init__(self, hub: FeedHub, host: str, hello_timeout_s: float = 10.0) -> None:
         self._hub = hub
         self._host = host
+        self._hello_timeout_s = hello_timeout_s
         self._server: asyncio.Server | None = None
 
     async def address(self) -> str:
@@ -148,8 +154,12 @@ class FeedServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         serving = asyncio.current_task()
         try:
-            subscriber = (await reader.readline()).decode().strip()
-            if not subscriber:
+            try:  # a peer that does not say who it is soon, in one short line, is dropped
+                hello = await asyncio.wait_for(reader.readline(), self._hello_timeout_s)
+            except (TimeoutError, ValueError):
+                return
+            subscriber = hello.decode(errors="replace").strip()
+            if not subscriber or self._hub.is_streaming(subscriber):  # one reader per feed
                 return
             # The router sends nothing more: end of input (or anything else) ends its feed.
             watcher = asyncio.ensure_future(reader.read(1))

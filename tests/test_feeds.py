@@ -231,3 +231,29 @@ def test_a_feed_connection_that_breaks_fails_every_request_on_it():
     (event,), usable = asyncio.run(scenario())
     assert isinstance(event, FeedLostError) and "decode-3" in str(event)
     assert not usable
+
+
+def test_the_feed_port_drops_silent_peers_and_second_readers():
+    from decode_worker.feed import FeedServer
+
+    async def scenario():
+        hub = FeedHub()
+        server = FeedServer(hub, "127.0.0.1", hello_timeout_s=0.2)
+        host, port = (await server.address()).rsplit(":", 1)
+
+        async def connect(hello: bytes | None):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            if hello is not None:
+                writer.write(hello)
+            return reader, writer
+
+        silent, overlong, first = await connect(None), await connect(b"x" * 100_000), await connect(b"router-a\n")
+        opened = await asyncio.wait_for(first[0].readexactly(4), 5)
+        second = await connect(b"router-a\n")
+        ends = [await asyncio.wait_for(reader.read(), 5) for reader, _ in (silent, overlong, second)]
+        return opened, ends, hub.is_streaming("router-a")  # `first` still holds its connection
+
+    opened, ends, still_streaming = asyncio.run(scenario())
+    assert opened == bytes(4)  # the feed-open frame
+    assert ends == [b"", b"", b""]  # each closed without a frame
+    assert still_streaming  # the first reader keeps its feed
