@@ -47,11 +47,13 @@ class PoolHealth:
 
     async def _handshake(self, prefill: Member, decode: Member, timeout_s: float) -> None:
         request_id = f"handshake-{prefill.name}-{decode.name}-{time.monotonic_ns()}"
-        request = GenerateRequest(request_id, tuple(range(1, 17)), SamplingConfig(max_tokens=1))
+        # Two tokens: the first may come from prefill, and decode must still run a step.
+        request = GenerateRequest(request_id, tuple(range(1, 17)), SamplingConfig(max_tokens=2, ignore_eos=True))
         started = time.perf_counter()
         try:
             result = await asyncio.wait_for(prefill.actor.prefill.remote(request), timeout_s)
-            await asyncio.wait_for(_drain(decode.actor.generate.remote(request, result.handle)), timeout_s)
+            leg = result.decode_leg(request)
+            await asyncio.wait_for(_drain(decode.actor.generate.remote(leg, result.handle)), timeout_s)
         except Exception:  # a peer that cannot handshake now will on its first request
             log.warning("pre-warm handshake %s -> %s failed", prefill.name, decode.name, exc_info=True)
             return

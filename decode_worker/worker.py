@@ -12,7 +12,6 @@ the tokens of every request the subscriber started with `start_leg` (decode_work
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from decode_worker.feed import FeedHub, FeedServer
@@ -23,12 +22,12 @@ from kv_transfer.connector_config import (
     engine_id_for,
 )
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
-from messages.errors import TransferFailedError
+from messages.errors import InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest
 from messages.results import TokenChunk
 from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
-from vllm_engine.sampling import sampling_params
+from vllm_engine.sampling import sampling_params, token_chunk
 from vllm_engine.worker_base import EngineWorker
 
 if TYPE_CHECKING:
@@ -107,6 +106,14 @@ class DecodeWorker(EngineWorker):
             if self._transfer is None:
                 raise ValueError(f"{self.name} is a colocated engine and cannot load transferred state")
             handle.check_usable(self._transfer.handle_margin_s)
+            expected = handle.num_tokens + self._engine.prefill_backoff
+            if len(request.prompt_token_ids) != expected:
+                raise InvalidRequestError(
+                    "prompt",
+                    f"has {len(request.prompt_token_ids)} tokens but the handle holds the state of "
+                    f"{handle.num_tokens}: decode the prompt it was prefilled from, plus the first "
+                    "token if prefill sampled it (PrefillResult.decode_leg)",
+                )
             extra_args = {"kv_transfer_params": handle.connector_params}
         params = sampling_params(request.sampling, output_kind=RequestOutputKind.DELTA, extra_args=extra_args)
         return self._stream(request, handle, params)
@@ -130,13 +137,7 @@ class DecodeWorker(EngineWorker):
                     f"state from {handle.engine_id if handle else 'its producer'} "
                     "(producer gone, blocks expired or handle invalid)"
                 )
-            yield TokenChunk(
-                tuple(completion.token_ids),
-                completion.text,
-                completion.finish_reason,
-                _top_logprobs(completion.logprobs),
-                time.time(),
-            )
+            yield token_chunk(completion, completion.finish_reason)
 
 
 async def _first_within(outputs: AsyncIterator, timeout_s: float, handle: TransferHandle) -> AsyncIterator:
@@ -155,11 +156,3 @@ async def _first_within(outputs: AsyncIterator, timeout_s: float, handle: Transf
     async for output in outputs:
         yield output
 
-
-def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:  # noqa: ANN001
-    if not logprobs:
-        return ()
-    return tuple(
-        tuple(sorted(((token, lp.logprob) for token, lp in position.items()), key=lambda t: -t[1]))
-        for position in logprobs
-    )

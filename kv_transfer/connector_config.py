@@ -97,6 +97,15 @@ class SideChannel:
         }
 
 
+def prefill_backoff(model_config: Any) -> int:
+    """Trailing prompt tokens NixlConnector's producer leaves for its consumer to compute, as
+    vLLM 0.32 counts them (`NixlConnectorScheduler._prefill_backoff`) without speculative
+    decoding, which pdserve does not configure: 1 on models with a recurrent (Mamba-family)
+    state, which must stop before the last prompt token because it cannot be rewound; 0 on
+    attention-only models. A handle for N prompt tokens is decoded with N + this many."""
+    return int(model_config.is_hybrid or model_config.is_attention_free)
+
+
 def engine_id_for(role: Role, worker_name: str, channel: SideChannel) -> str:
     # Stable across restarts of the same worker identity, distinct across workers/hosts.
     return f"{role.name.lower()}-{worker_name}-{channel.host}-{channel.port}"

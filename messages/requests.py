@@ -90,9 +90,19 @@ class GenerateRequest:
             )
 
     def continued(self, generated: tuple[int, ...]) -> "GenerateRequest":
-        """This request resumed elsewhere after `generated` tokens were already streamed."""
+        """This request resumed elsewhere after `generated` tokens were already streamed.
+
+        A seeded request gets a seed of its own for the rest: the resumed engine starts a
+        fresh generator, and with the same seed it would draw the same noise again for the
+        next token as it drew for the first (a bias towards repeating it). The stream stays
+        reproducible per seed, but is not the one an unsplit run of that seed gives."""
+        seed = self.sampling.seed
         return replace(
             self,
             prompt_token_ids=self.prompt_token_ids + generated,
-            sampling=replace(self.sampling, max_tokens=self.sampling.max_tokens - len(generated)),
+            sampling=replace(
+                self.sampling,
+                max_tokens=self.sampling.max_tokens - len(generated),
+                seed=None if seed is None else (seed * 1_000_003 + len(generated)) % 2**63,
+            ),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from messages.requests import GenerateRequest
 from messages.timings import PhaseTimings
 from messages.transfer import TransferHandle
 
@@ -68,6 +69,14 @@ class LegEvent(PicklesPositionally):
 class PrefillResult:
     handle: TransferHandle
     prefill_s: float  # from arrival at this worker to the blocks being ready
+    # The request's first output token, sampled by prefill over the whole prompt; None where
+    # decode computes it (prefill_worker/worker.py says when). Its finish_reason is set when
+    # that token ends the request: then nothing is decoded and the handle is released.
+    first: TokenChunk | None = None
+
+    def decode_leg(self, request: GenerateRequest) -> GenerateRequest:
+        """What decode runs on `handle`: the prompt, plus the first token if prefill sampled it."""
+        return request.continued(self.first.token_ids) if self.first else request
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,7 +60,7 @@ class LatencySummary:
 class PhaseTimings:
     queue_s: float  # router arrival -> prefill engine starts (routing, Ray hop)
     prefill_s: float  # prefill engine: prompt in -> blocks ready for transfer
-    transfer_s: float  # decode call -> first token: NIXL pull of KV + state, then one step
+    transfer_s: float  # prefill done -> decode's first token: NIXL pull of KV + state, one step
     ttft_s: float  # router arrival -> first token at the router
     inter_token: LatencySummary
     decode_tokens_per_s: float  # after the first token

@@ -29,7 +29,9 @@ class TransferHandle:
     # Block ids per KV-cache group, in the producer's group order: one DeltaNet state slot
     # per DeltaNet group, then the attention blocks.
     block_ids: tuple[tuple[int, ...], ...]
-    num_tokens: int  # prompt tokens whose state the blocks hold (N-1 on hybrids)
+    # Prompt tokens whose state the blocks hold: all N where prefill sampled the first
+    # token, N-1 on hybrids where decode computes it (prefill_worker/worker.py).
+    num_tokens: int
     lease_expires_at: float  # wall-clock time after which the producer may free the blocks
     bytes: TransferBytes
     # vLLM's kv_transfer_params exactly as the producer returned them; decode hands them

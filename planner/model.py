@@ -14,7 +14,8 @@ Prefill rows: one pass over a batch of `batch_tokens` prompt tokens whose longes
 `prompt_tokens`. Decode rows: one step of `batch_size` sequences whose mean context is
 `context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`. Serving rows
 (optional): one isolated request sent through gRPC, its client-side time to first token and
-the part of it the engines spent (prefill plus handoff). Host CPU rows (optional, CPU
+the part of it the engines spent (prefill, plus the handoff where decode makes the first
+token). Host CPU rows (optional, CPU
 engines only): while decode streams run, how many cores the host kept busy outside the engine
 processes, against the tokens streamed per second; `engine_cores` is how many cores the
 engines are pinned to.

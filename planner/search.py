@@ -124,7 +124,8 @@ def capacity_bound(model: PerformanceModel, placement: Placement, workload: Work
     """Requests/s each pool serves when it never idles, from the model's per-token costs
     exactly as the simulator charges them: prefill in full token budgets of mean-length
     prompts; decode with every batch at its limit, a sequence holding a slot for its output
-    tokens at the mean context (prompt plus half the output). The host slowdown (CPU
+    tokens but the first (prefill samples that) at the mean context (prompt plus half the
+    output). The host slowdown (CPU
     engines) depends on the rate itself: a fixed point. Transfers are latency only in the
     simulator (no shared link), so they bound nothing here."""
     prompt = float(workload.prompt_tokens.mean())
@@ -133,15 +134,16 @@ def capacity_bound(model: PerformanceModel, placement: Placement, workload: Work
     prefill_s = model.prefill.seconds(per_batch * prompt, per_batch * prompt**2) / per_batch
     limit = placement.batch_limit
     step_s = model.decode.seconds(limit, limit * (prompt + output / 2))
+    slot_s = (output - 1) * step_s / limit  # decode time per request, its slot shared
     rate = math.inf
     for _ in range(20):
         slowdown = model.host.slowdown(rate * output) if model.host and math.isfinite(rate) else 1.0
         if placement.colocated:  # each instance prefills its own requests between decode steps
-            bound = CapacityBound(placement.decode / (slowdown * (prefill_s + output * step_s / limit)), "colocated")
+            bound = CapacityBound(placement.decode / (slowdown * (prefill_s + slot_s)), "colocated")
         else:
             by_pool = {
                 "prefill": placement.prefill / (slowdown * prefill_s),
-                "decode": placement.decode * limit / (slowdown * output * step_s),
+                "decode": placement.decode / (slowdown * slot_s) if slot_s > 0 else math.inf,
             }
             pool = min(by_pool, key=by_pool.__getitem__)
             bound = CapacityBound(by_pool[pool], pool)

@@ -7,10 +7,11 @@ Disaggregated (`Placement(prefill=N, decode=M)`):
   token budget (at least one) and runs them as one batch;
 - transfer: attention KV (bytes per token x prompt) + fixed DeltaNet state per request,
   timed by the model; a pure delay (links are not shared);
+- first token: as in pdserve on hybrids, prefill samples it, so TTFT ends with the prefill
+  batch; a one-token answer never reaches decode;
 - decode instance (the one with the fewest running + waiting requests when the state lands):
-  continuous batching; at every step boundary waiting requests join up to the batch limit,
-  and every running sequence gets one token per step. As in pdserve for hybrids, decode
-  produces the first output token, so TTFT ends with the request's first decode step.
+  continuous batching; at every step boundary waiting requests join up to the batch limit
+  (context prompt + 1), and every running sequence gets one token per step.
 
 Colocated (`Placement(prefill=0, decode=N)`): N instances doing both, routed by fewest
 running + waiting requests. At a step boundary waiting prompts are prefilled first (vLLM's
@@ -316,6 +317,8 @@ class _PrefillInstance(_Instance):
         batch = self.prefill_batch(len(self.waiting))
         self.running_tokens = sum(self.requests.prompt[rid] for rid in batch)
         self.queued_tokens -= self.running_tokens
+        for rid in batch:  # prefill samples the first token
+            self.requests.first[rid] = self.requests.last[rid] = self.clock
 
 
 class _DecodeInstance(_Instance):
@@ -330,7 +333,6 @@ class _DecodeInstance(_Instance):
         self.steps = 0
         self.running: list[tuple[int, int, int]] = []  # heap of (finishing step, rid, context term)
         self.context_terms = 0
-        self.joined: list[int] = []  # joined at this step boundary: first token at its end
         self.peak_batch = 0
 
     @property
@@ -343,8 +345,7 @@ class _DecodeInstance(_Instance):
     def act(self) -> None:
         while self.waiting and len(self.running) < self.limit:
             rid = self.waiting.popleft()
-            self.join(rid, self.requests.prompt[rid], self.requests.output[rid])
-            self.joined.append(rid)
+            self.join(rid, self.requests.prompt[rid] + 1, self.requests.output[rid] - 1)
         self.step()
 
     def join(self, rid: int, context: int, tokens: int) -> None:
@@ -357,9 +358,6 @@ class _DecodeInstance(_Instance):
         self.peak_batch = max(self.peak_batch, batch)
         self.clock += self.slowdown * self.decode_cost.seconds(batch, self.context_terms + batch * self.steps)
         self.steps += 1
-        for rid in self.joined:
-            self.requests.first[rid] = self.clock
-        self.joined.clear()
         while self.running and self.running[0][0] == self.steps:
             _, rid, term = heapq.heappop(self.running)
             self.context_terms -= term
@@ -402,8 +400,9 @@ def simulate(model: PerformanceModel, placement: Placement, workload: Workload, 
     prefill_pool = [_PrefillInstance(requests, model, placement, slowdown) for _ in range(placement.prefill)]
     _dispatch(prefill_pool, arrivals, requests.arrival)
     ready = [end + model.transfer_seconds(p) for end, p in zip(requests.prefill_end, requests.prompt)]
+    decoded = [rid for rid in arrivals if requests.output[rid] > 1]
     decode_pool = [_DecodeInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
-    _dispatch(decode_pool, sorted(arrivals, key=ready.__getitem__), ready)
+    _dispatch(decode_pool, sorted(decoded, key=ready.__getitem__), ready)
     return requests.timeline(decode_pool, model.serving_overhead_s)
 
 

@@ -1,5 +1,9 @@
 """One request, end to end: pick a prefill actor, prefill, pick a decode actor, stream.
 
+Where prefill samples the first token (hybrids, prefill_worker/worker.py) it goes to the
+caller as soon as prefill returns, and decode continues from it; a first token that ends
+the request is never decoded.
+
 The caller iterates `generate()`; leaving the iteration early (client cancel, deadline)
 cancels whichever Ray task is running, which aborts the request in that engine and frees
 its blocks there. A decode actor that dies mid-stream is, by policy, replaced: the request
@@ -42,7 +46,7 @@ class RouterPolicy:
     # Prompts shorter than this skip the prefill pool: the decode engine prefills them
     # itself (conditional disaggregation). Raise it (vLLM's own kv_recompute_threshold is
     # 64) where a short prefill costs less than a transfer. At least 3 on CPU hybrids:
-    # prefill computes N-1 tokens and vLLM 0.32's CPU conv kernel fails on 1-token prefills.
+    # prefill may compute N-1 tokens and vLLM 0.32's CPU conv kernel fails on 1-token prefills.
     local_prefill_below: int = 3
     # No live prefill actor: prefill on the decode engine ("local"; service degraded, not down)
     # or refuse with UNAVAILABLE ("fail").
@@ -99,6 +103,7 @@ class Orchestrator:
         progress = _Progress()
         first_leg: tuple[PrefillResult | None, float] | None = None  # the leg the timings describe
         migrations = 0
+        decode_member: Member | None = None
         current = request
         while True:
             # Engines see a fresh id per leg (prefill + decode, or a migration's resume):
@@ -107,6 +112,18 @@ class Orchestrator:
             prefill_member, prefill = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
             handle = prefill.handle if prefill else None
+            if prefill is not None and prefill.first is not None:  # prefill sampled it: out now
+                progress.add(prefill.first)
+                delivered = False
+                try:
+                    yield prefill.first
+                    delivered = True
+                finally:  # the caller left, or that token was the last: no decode will read
+                    if not delivered or prefill.first.finish_reason is not None:
+                        self._release_soon(prefill.handle)
+                if prefill.first.finish_reason is not None:
+                    break
+                leg = prefill.decode_leg(leg)
             try:
                 decode_member = self.decode.pick_decode()
             except NoWorkerError:
@@ -135,7 +152,7 @@ class Orchestrator:
             completion_tokens=len(progress.token_ids),
             timings=_timings(arrived, *first_leg, progress.token_times),
             prefill_worker=prefill_member.name if prefill_member else "",
-            decode_worker=decode_member.name,
+            decode_worker=decode_member.name if decode_member else "",
             migrations=migrations,
         )
         times = progress.token_times
@@ -258,10 +275,13 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
     first = times[0] if times else time.perf_counter()
     span = times[-1] - first if len(times) > 1 else 0.0
     prefill_s = prefill.prefill_s if prefill else 0.0
+    # The handoff ends at decode's first token, which follows any token prefill sampled.
+    from_prefill = len(prefill.first.token_ids) if prefill and prefill.first else 0
+    decoded_first = times[from_prefill] if len(times) > from_prefill else prefill_done
     return PhaseTimings(
         queue_s=max(0.0, (prefill_done - arrived) - prefill_s),
         prefill_s=prefill_s,
-        transfer_s=first - prefill_done if prefill else 0.0,
+        transfer_s=decoded_first - prefill_done if prefill else 0.0,
         ttft_s=first - arrived,
         inter_token=LatencySummary.of([b - a for a, b in zip(times, times[1:])]),
         decode_tokens_per_s=(len(times) - 1) / span if span > 0 else 0.0,

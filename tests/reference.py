@@ -39,18 +39,16 @@ def _corpus_prompts() -> dict[str, tuple[int, ...]]:
         "long": stream[first_document_end + 1 :][:1100],
         "x": stream[2000:2400],
     }
-    # Y ends on X's last token (both on " the"), so Y[:-1] + X[-1:] == Y: decode fed X's last
-    # token on Y's transferred state continues the corpus after Y, decisively, and not the
-    # corpus after X. Two such passages of the first document, one per TP size.
+    # Y ends on X's last token (both on " the"), so Y[:-1] + X[-1:] == Y: decode asked for X
+    # but handed Y's state continues the corpus after Y, decisively, and not the corpus after
+    # X, whether prefill sampled Y's first token (decode runs X + that token on the state of
+    # all of Y) or left Y's last token to decode (decode runs X on the state of Y[:-1]).
+    # Two such passages of the first document, one per TP size.
     ends = [end for end in range(400, first_document_end - MAX_TOKENS) if stream[end - 1] == prompts["x"][-1]]
     y_end = ends[0]
     y_tp2_end = next(end for end in ends if end >= y_end + 200)
     prompts["y"] = stream[y_end - 400 : y_end]
     prompts["y_tp2"] = stream[y_tp2_end - 400 : y_tp2_end]
-    # What decode must produce if it really continues Y's transferred state while being
-    # asked for X: prefill holds N-1 tokens of Y, decode feeds X's last token.
-    prompts["y_then_last_of_x"] = prompts["y"][:-1] + prompts["x"][-1:]
-    prompts["y_tp2_then_last_of_x"] = prompts["y_tp2"][:-1] + prompts["x"][-1:]
     return {name: tuple(ids) for name, ids in prompts.items()}
 
 
@@ -73,13 +71,20 @@ class _Prompts(Mapping[str, tuple[int, ...]]):
         return len(self._names)
 
 
-PROMPTS = _Prompts("short", "over_one_block", "long", "x", "y", "y_then_last_of_x")
+PROMPTS = _Prompts("short", "over_one_block", "long", "x", "y")
 # The same proof at TP 2 (its bf16 reductions differ), from another passage.
-TP2_PROMPTS = _Prompts("y_tp2", "y_tp2_then_last_of_x")
+TP2_PROMPTS = _Prompts("y_tp2")
 
 
-def make_request(name: str, request_id: str | None = None, logprobs: int = 0) -> GenerateRequest:
-    sampling = SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
+# A stop string the corpus never holds: with it, prefill leaves the first token to decode
+# (prefill_worker/worker.py) and the output is unchanged.
+UNMATCHED_STOP = ("\u00a7\u00a7",)
+
+
+def make_request(
+    name: str, request_id: str | None = None, logprobs: int = 0, stop: tuple[str, ...] = ()
+) -> GenerateRequest:
+    sampling = SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs, stop=stop)
     return GenerateRequest(request_id or name, {**PROMPTS, **TP2_PROMPTS}[name], sampling)
 
 
@@ -117,6 +122,13 @@ async def decode_tokens(actor, request, handle=None) -> list[int]:
     async for ref in actor.generate.remote(request, handle):
         tokens.extend((await ref).token_ids)
     return tokens
+
+
+async def decode_after(actor, prefill_result, request) -> list[int]:
+    """`request`'s tokens, decoded on the prefill result's handle: the first one if prefill
+    sampled it, then what decode streams."""
+    first = list(prefill_result.first.token_ids) if prefill_result.first else []
+    return first + await decode_tokens(actor, prefill_result.decode_leg(request), prefill_result.handle)
 
 
 async def reference_run(actor, request) -> Reference:

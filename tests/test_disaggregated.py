@@ -18,8 +18,10 @@ from reference import (
     MAX_TOKENS,
     MIN_COMPARED,
     PROMPTS,
+    UNMATCHED_STOP,
     assert_matches,
     collect,
+    decode_after,
     decode_tokens,
     make_request,
     prompt_of,
@@ -70,21 +72,56 @@ def test_engines_run_at_normal_priority(deployment):
 
 def test_reference_outputs_differ_per_prompt(reference):
     # Guards the comparisons below: equal outputs for different prompts would prove nothing.
-    # (y_then_last_of_x is y itself: Y ends on X's last token, see reference.py.)
     by_prompt = {PROMPTS[name]: tuple(v.decisive) for name, v in reference.items()}
-    assert len(set(by_prompt.values())) == len(by_prompt) == len(reference) - 1
+    assert len(set(by_prompt.values())) == len(by_prompt) == len(reference)
     assert all(len(v.tokens) == MAX_TOKENS and len(v.decisive) >= MIN_COMPARED for v in reference.values())
 
 
 @pytest.mark.parametrize("name", ["short", "over_one_block", "long"])
 def test_disaggregated_equals_colocated(deployment, reference, name):
+    """Prefill samples the first token and streams it; decode continues from it."""
     dep, orchestrator = deployment
     tokens, result = run(collect(orchestrator.generate(make_request(name, f"pd-{name}"))))
     assert_matches(tokens, reference[name])
     assert result.finish_reason == "length" and result.completion_tokens == MAX_TOKENS
     assert result.prompt_tokens == len(PROMPTS[name])
-    assert result.timings.ttft_s >= result.timings.prefill_s > 0
+    t = result.timings
+    assert t.ttft_s >= t.prefill_s > 0 and t.transfer_s > 0
+    # The first token left with prefill's result, before the transfer and decode's step.
+    assert t.ttft_s < t.queue_s + t.prefill_s + t.transfer_s
     assert_no_blocks_held(dep)
+
+
+def test_with_stop_strings_decode_computes_the_first_token(deployment, reference):
+    """A stop string could span the first token and the next: such requests keep vLLM's
+    split (prefill stops one prompt token short, decode computes it), with the same output."""
+    dep, orchestrator = deployment
+    request = make_request("over_one_block", "pd-stop", stop=UNMATCHED_STOP)
+    result = run(_prefill(dep.prefill.members[0].actor, request))
+    assert result.first is None and result.handle.num_tokens == len(request.prompt_token_ids) - 1
+    ray_get(dep.decode.members[0].actor.release_transfer.remote(result.handle))
+    tokens, final = run(collect(orchestrator.generate(request)))
+    assert_matches(tokens, reference["over_one_block"])
+    t = final.timings  # the first token came after the transfer and decode's step
+    assert t.ttft_s == pytest.approx(t.queue_s + t.prefill_s + t.transfer_s) and t.transfer_s > 0
+    assert_no_blocks_held(dep)
+
+
+def test_a_first_token_that_ends_the_request_is_never_decoded(deployment, reference):
+    """max_tokens=1, or a stop token sampled by prefill: no decode leg, and the producer's
+    blocks are released at once, not at lease expiry."""
+    dep, orchestrator = deployment
+    first = reference["long"].tokens[0]
+    for sampling in (
+        SamplingConfig(max_tokens=1, ignore_eos=True),
+        SamplingConfig(max_tokens=MAX_TOKENS, stop_token_ids=(first,)),
+    ):
+        request = GenerateRequest("pd-one", PROMPTS["long"], sampling)
+        tokens, result = run(collect(orchestrator.generate(request)))
+        assert tokens == [first]
+        assert result.finish_reason == ("length" if sampling.max_tokens == 1 else "stop")
+        assert result.decode_worker == "" and result.prefill_worker == "prefill-0"
+        assert_no_blocks_held(dep, timeout_s=LEASE_S - 2)
 
 
 def test_concurrent_requests_equal_colocated(deployment, reference):
@@ -103,15 +140,31 @@ def test_concurrent_requests_equal_colocated(deployment, reference):
     assert_no_blocks_held(dep)
 
 
-def test_decode_continues_the_transferred_state_not_its_own_prompt(deployment, reference):
+@pytest.mark.parametrize("stop", [(), UNMATCHED_STOP], ids=["first-token-from-prefill", "first-token-from-decode"])
+def test_decode_continues_the_transferred_state_not_its_own_prompt(deployment, reference, stop):
     """Decode is asked for X but handed Y's KV blocks and DeltaNet state: if the state
-    really moved, it continues Y (plus X's last token), which differs from X's own output."""
+    really moved, it continues Y, which differs from X's own output. (Y ends on X's last
+    token: decode's own input is X's, plus Y's first token where prefill sampled it.)"""
     dep, _ = deployment
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    y_handle = run(_prefill(prefill, make_request("y", "swap-y"))).handle
-    tokens = run(decode_tokens(decode, make_request("x", "swap-x"), y_handle))
-    assert reference["x"].decisive[:MIN_COMPARED] != reference["y_then_last_of_x"].decisive[:MIN_COMPARED]
-    assert_matches(tokens, reference["y_then_last_of_x"])
+    y_result = run(_prefill(prefill, make_request("y", "swap-y", stop=stop)))
+    assert (y_result.first is None) == bool(stop)
+    tokens = run(decode_after(decode, y_result, make_request("x", "swap-x", stop=stop)))
+    assert reference["x"].decisive[:MIN_COMPARED] != reference["y"].decisive[:MIN_COMPARED]
+    assert_matches(tokens, reference["y"])
+    assert_no_blocks_held(dep)
+
+
+def test_decode_refuses_a_prompt_that_does_not_fit_the_handle(deployment):
+    """The prompt alone on a handle that holds it all would feed the last prompt token twice."""
+    dep, _ = deployment
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    request = make_request("short", "misfit")
+    result = run(_prefill(prefill, request))
+    assert result.first is not None and result.handle.num_tokens == len(request.prompt_token_ids)
+    with pytest.raises(InvalidRequestError, match="decode_leg"):
+        run(decode_tokens(decode, request, result.handle))
+    ray_get(decode.release_transfer.remote(result.handle))
     assert_no_blocks_held(dep)
 
 
@@ -139,8 +192,8 @@ def test_byte_accounting_matches_the_model(deployment, model_path):
     seen = []
     for name in ["short", "over_one_block", "long"]:
         handle = run(_prefill(prefill, make_request(name, f"bytes-{name}"))).handle
-        # Prefill holds N-1 tokens on hybrids; whole blocks move.
-        assert handle.num_tokens == len(PROMPTS[name]) - 1
+        # Prefill computed the whole prompt (it sampled the first token); whole blocks move.
+        assert handle.num_tokens == len(PROMPTS[name])
         assert handle.bytes.attention_kv == math.ceil(handle.num_tokens / block) * block * attn_per_token
         assert handle.bytes.deltanet_state == n_gdn * (conv + temporal)
         seen.append(handle.bytes)
@@ -181,7 +234,8 @@ def test_bad_input_is_refused_by_router_and_workers(deployment, prompt, sampling
 def test_handle_for_unknown_engine_fails_cleanly(deployment):
     dep, _ = deployment
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    handle = run(_prefill(prefill, make_request("short", "ghost-src"))).handle
+    result = run(_prefill(prefill, make_request("short", "ghost-src")))
+    handle = result.handle
     ghost = dataclasses.replace(
         handle,
         engine_id="prefill-ghost",
@@ -189,17 +243,17 @@ def test_handle_for_unknown_engine_fails_cleanly(deployment):
         connector_params={**handle.connector_params, "remote_engine_id": "prefill-ghost", "remote_port": 1},
     )
     with pytest.raises(TransferFailedError, match="could not load"):
-        run(decode_tokens(decode, make_request("short", "ghost-dst"), ghost))
+        run(decode_after(decode, dataclasses.replace(result, handle=ghost), make_request("short", "ghost-dst")))
     assert_no_blocks_held(dep, timeout_s=LEASE_S + 10)
 
 
 def test_expired_handle_is_refused_and_lease_frees_blocks(deployment):
     dep, _ = deployment
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    handle = run(_prefill(prefill, make_request("long", "expire-src"))).handle
+    result = run(_prefill(prefill, make_request("long", "expire-src")))
     load = ray_get(prefill.load.remote())
     assert load.held_for_transfer == 1 and load.free_blocks < load.total_blocks
     assert_no_blocks_held(dep, timeout_s=LEASE_S + 10)  # the lease ran out
     with pytest.raises(HandleExpiredError, match="expired"):
-        run(decode_tokens(decode, make_request("long", "expire-dst"), handle))
+        run(decode_after(decode, result, make_request("long", "expire-dst")))
     assert_no_blocks_held(dep)

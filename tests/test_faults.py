@@ -9,7 +9,7 @@ import time
 import pytest
 import ray
 from conftest import assert_no_blocks_held, run, wait_until
-from reference import MAX_TOKENS, assert_matches, collect, decode_tokens, make_request
+from reference import MAX_TOKENS, assert_matches, collect, decode_after, make_request
 
 from kv_transfer.connector_config import TransferConfig
 from messages.errors import TransferFailedError
@@ -40,11 +40,11 @@ def fail_policy(ray_cluster, engine_config, reference):
 def test_prefill_killed_before_decode_pulls_fails_fast(fail_policy):
     dep, _ = fail_policy
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    handle = ray.get(prefill.prefill.remote(make_request("long", "orphan"))).handle
+    result = ray.get(prefill.prefill.remote(make_request("long", "orphan")))
     _sigkill(prefill)
     started = time.monotonic()
     with pytest.raises(TransferFailedError, match="could not load"):
-        run(decode_tokens(decode, make_request("long", "orphan"), handle))
+        run(decode_after(decode, result, make_request("long", "orphan")))
     assert time.monotonic() - started < 15, "decode must fail fast, not wait out a long timeout"
 
 
@@ -85,9 +85,9 @@ def recompute_policy(ray_cluster, engine_config, reference, fail_policy):
 def test_prefill_killed_recompute_policy_prefills_on_decode(recompute_policy, reference):
     dep, _ = recompute_policy
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    handle = ray.get(prefill.prefill.remote(make_request("x", "recompute"))).handle
+    result = ray.get(prefill.prefill.remote(make_request("x", "recompute")))
     _sigkill(prefill)
-    tokens = run(decode_tokens(decode, make_request("x", "recompute"), handle))
+    tokens = run(decode_after(decode, result, make_request("x", "recompute")))
     assert_matches(tokens, reference["x"])
     wait_until(lambda: _answers(prefill), timeout_s=60)
 
@@ -134,13 +134,13 @@ def test_transfer_from_a_stalled_peer_times_out(tcp_transport, reference):
     tokens, _ = run(collect(orchestrator.generate(make_request("short", "tcp-warm"))))  # handshake done
     assert_matches(tokens, reference["short"])
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    handle = ray.get(prefill.prefill.remote(make_request("long", "stalled"))).handle
+    result = ray.get(prefill.prefill.remote(make_request("long", "stalled")))
     pid = _pid(prefill)
     os.kill(pid, signal.SIGSTOP)  # alive but not making progress
     try:
         started = time.monotonic()
         with pytest.raises(TransferFailedError, match="within 5s"):
-            run(decode_tokens(decode, make_request("long", "stalled"), handle))
+            run(decode_after(decode, result, make_request("long", "stalled")))
         assert time.monotonic() - started < 15
     finally:
         os.kill(pid, signal.SIGCONT)

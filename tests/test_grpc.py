@@ -72,7 +72,7 @@ def test_text_prompt_is_tokenized_by_the_router(stack):
 
 def test_eight_concurrent_streams_complete_correctly(stack, reference):
     dep = stack.dep
-    names = ["short", "over_one_block", "long", "x", "y", "y_then_last_of_x", "short", "x"]
+    names = ["short", "over_one_block", "long", "x", "y", "y", "short", "x"]
 
     async def all_streams(channel):
         return await asyncio.gather(

@@ -48,3 +48,15 @@ def test_valid_request_passes_and_maps_to_vllm():
     request.validate(LIMITS)
     params = sampling_params(request.sampling)
     assert params.max_tokens == 8 and params.top_k in (-1, 0) and params.stop == ["x"]
+
+
+def test_a_continued_request_keeps_its_length_and_gets_a_seed_of_its_own():
+    """Resumed after tokens already streamed (prefill's first token, a migration): the same
+    total length; a seeded request draws fresh noise for what is left, reproducibly."""
+    request = GenerateRequest("r", (1, 2, 3), SamplingConfig(max_tokens=10, seed=7))
+    once = request.continued((4,))
+    assert once.prompt_token_ids == (1, 2, 3, 4) and once.sampling.max_tokens == 9
+    assert once.sampling.seed not in (None, 7) and once.sampling.seed == request.continued((4,)).sampling.seed
+    assert request.continued((4, 5)).sampling.seed not in (7, once.sampling.seed)
+    assert GenerateRequest("r", (1, 2), SamplingConfig(seed=None)).continued((3,)).sampling.seed is None
+    assert 0 <= GenerateRequest("r", (1,), SamplingConfig(seed=-5)).continued((2,)).sampling.seed < 2**63

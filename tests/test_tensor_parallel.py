@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
-from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_tokens, make_request, reference_run
+from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_after, make_request, reference_run
 
 from router.client import build_request
 from controller.deployment import Deployment, DeploymentConfig
@@ -43,7 +43,7 @@ def reference_tp2(ray_cluster, engine_config):
 
     actor = DecodeActor.remote("colocated-tp2", engine_config.sized(TP2).with_cores("0|1"), None)
     try:
-        names = ["short", "over_one_block", "long", "x", "y_tp2_then_last_of_x"]
+        names = ["short", "over_one_block", "long", "x", "y_tp2"]
         return {n: run(reference_run(actor, make_request(n, f"ref2-{n}", logprobs=2))) for n in names}
     finally:
         ray.kill(actor, no_restart=True)
@@ -73,10 +73,10 @@ def test_tp2_decode_continues_the_transferred_state(served_tp2, reference_tp2):
     """Control: decode asked for X but handed Y's blocks and state from both ranks continues Y."""
     dep = served_tp2.dep
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    y_handle = ray.get(prefill.prefill.remote(make_request("y_tp2", "tp2-swap-y"))).handle
-    tokens = run(decode_tokens(decode, make_request("x", "tp2-swap-x"), y_handle))
-    assert reference_tp2["x"].decisive[:MIN_COMPARED] != reference_tp2["y_tp2_then_last_of_x"].decisive[:MIN_COMPARED]
-    assert_matches(tokens, reference_tp2["y_tp2_then_last_of_x"])
+    y_result = ray.get(prefill.prefill.remote(make_request("y_tp2", "tp2-swap-y")))
+    tokens = run(decode_after(decode, y_result, make_request("x", "tp2-swap-x")))
+    assert reference_tp2["x"].decisive[:MIN_COMPARED] != reference_tp2["y_tp2"].decisive[:MIN_COMPARED]
+    assert_matches(tokens, reference_tp2["y_tp2"])
     assert_no_blocks_held(dep)
 
 

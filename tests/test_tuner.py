@@ -188,14 +188,18 @@ def test_colocated_prefill_stalls_running_decode() -> None:
     assert timeline.tpot == pytest.approx([0.2, 0.1])
 
 
-def test_disaggregated_decode_makes_the_first_token() -> None:
-    """A: prefill 0-1 s, 11 decode steps 1.0-2.1 s. B: prefill 1.45-2.45 s on the same
-    prefill instance (A's is done), 2 decode steps on the now idle decode instance."""
+def test_disaggregated_prefill_makes_the_first_token() -> None:
+    """A: prefill 0-1 s samples its first token, 10 decode steps 1.0-2.0 s. B: prefill
+    1.45-2.45 s on the same prefill instance (A's is done), 1 decode step on the now idle
+    decode instance. A one-token answer never reaches decode."""
     workload = _two_requests()
     timeline = simulate(TOY, Placement(1, 1), workload, workload.native_rate)
-    assert timeline.first_token == pytest.approx([1.1, 2.55])
-    assert timeline.last_token == pytest.approx([2.1, 2.65])
+    assert timeline.first_token == pytest.approx([1.0, 2.45])
+    assert timeline.last_token == pytest.approx([2.0, 2.55])
     assert timeline.tpot == pytest.approx([0.1, 0.1])
+    one_token = Workload.trace([(0.0, 1000, 1), (1.45, 1000, 1)])
+    timeline = simulate(TOY, Placement(1, 1), one_token, one_token.native_rate)
+    assert timeline.last_token == pytest.approx(timeline.first_token) and timeline.peak_batch == 0
 
 
 def test_serving_overhead_delays_what_the_client_sees_but_no_engine() -> None:
@@ -232,8 +236,9 @@ def test_host_contention_stretches_engine_time_only() -> None:
 
 def test_decode_batch_limit_queues_the_rest() -> None:
     """Three requests at once (instant prefill) on one decode instance limited to 2: the
-    third joins when the first two finish their 3 steps. Same-instant arrivals share a step."""
-    workload = Workload.trace([(0.0, 1, 3), (0.0, 1, 3), (0.0, 1, 3), (10.0, 1, 1)])
+    third joins when the first two finish their 3 steps (4 tokens: prefill samples the
+    first). Same-instant arrivals share a step."""
+    workload = Workload.trace([(0.0, 1, 4), (0.0, 1, 4), (0.0, 1, 4), (10.0, 1, 2)])
     instant_prefill = replace(TOY, prefill=PrefillCost(0.0, 0.0, 0.0))
     timeline = simulate(instant_prefill, Placement(1, 1, batch_limit=2), workload, workload.native_rate)
     assert timeline.last_token == pytest.approx([0.3, 0.3, 0.6, 10.1])
@@ -339,7 +344,8 @@ def test_cli_rejects_gpus_not_a_multiple_of_the_instance_size() -> None:
 def _hand_capacity(placement: Placement, prompt: int, output: int) -> tuple[float, str]:
     """From the seeds' per-token costs, by hand: prefill 1/3,288 s per prompt token with no
     fixed cost (batching does not help); decode with every batch at its limit, contexts at
-    prompt + output/2 on average, one slot held for `output` steps."""
+    prompt + output/2 on average, one slot held for `output` - 1 steps (prefill samples the
+    first token)."""
     d = SEEDS.decode
     limit = placement.batch_limit
     step = (
@@ -349,7 +355,7 @@ def _hand_capacity(placement: Placement, prompt: int, output: int) -> tuple[floa
         + d.compute_per_sequence_s * max(0, limit - d.knee)
     )
     prefill = placement.prefill * SEEDS_PREFILL_TOKENS_PER_S / prompt
-    decode = placement.decode * limit / (output * step)
+    decode = placement.decode * limit / ((output - 1) * step)
     return (prefill, "prefill") if prefill < decode else (decode, "decode")
 
 

@@ -96,6 +96,12 @@ class AsyncEngine:
         hybrid_on_cpu = current_platform.is_cpu() and model_config.is_hybrid
         return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
 
+    @property
+    def prefill_backoff(self) -> int:
+        from kv_transfer.connector_config import prefill_backoff
+
+        return prefill_backoff(self._llm.vllm_config.model_config)
+
     async def state_layout(self) -> "StateLayout":
         from kv_transfer.layout import StateLayout
 

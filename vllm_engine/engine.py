@@ -29,6 +29,11 @@ class Engine(Protocol):
     @property
     def limits(self) -> ModelLimits: ...
 
+    @property
+    def prefill_backoff(self) -> int:
+        """Prompt tokens a producer leaves for decode to compute (kv_transfer.connector_config)."""
+        ...
+
     async def state_layout(self) -> "StateLayout": ...
 
     def generate(

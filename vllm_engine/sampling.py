@@ -1,14 +1,17 @@
-"""Our request messages in vLLM's terms, and vLLM's validation errors in ours."""
+"""Our request messages in vLLM's terms; vLLM's outputs and validation errors in ours."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from messages.errors import InvalidRequestError
 from messages.requests import SamplingConfig
+from messages.results import TokenChunk
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.outputs import CompletionOutput
 
 
 def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingParams":
@@ -39,3 +42,23 @@ def as_invalid_request(exc: Exception) -> Exception:
     if isinstance(exc, VLLMValidationError):
         return InvalidRequestError(exc.parameter or "request", str(exc))
     return exc
+
+
+def token_chunk(completion: "CompletionOutput", finish_reason: str | None) -> TokenChunk:
+    """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now."""
+    return TokenChunk(
+        tuple(completion.token_ids),
+        completion.text,
+        finish_reason,
+        _top_logprobs(completion.logprobs),
+        time.time(),
+    )
+
+
+def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:  # noqa: ANN001
+    if not logprobs:
+        return ()
+    return tuple(
+        tuple(sorted(((token, lp.logprob) for token, lp in position.items()), key=lambda t: -t[1]))
+        for position in logprobs
+    )

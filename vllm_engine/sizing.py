@@ -244,10 +244,10 @@ class EnginePlan:
 
     @property
     def transfer_tokens(self) -> int:
-        # On hybrids prefill stops one token short so decode can compute it from the state
-        # (NixlConnector's _get_remote_prefill_token_count); whole blocks move.
-        tokens = self.inputs.prompt_tokens - (1 if self.shape.is_hybrid else 0)
-        return math.ceil(tokens / self.block_size) * self.block_size
+        # Prefill computes the whole prompt, having sampled the first token (requests with
+        # stop strings on hybrids hold one token fewer: prefill_worker/worker.py); whole
+        # blocks move.
+        return math.ceil(self.inputs.prompt_tokens / self.block_size) * self.block_size
 
     @property
     def bytes_moved_attention(self) -> int:
