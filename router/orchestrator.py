@@ -112,17 +112,15 @@ class Orchestrator:
             prefill_member, prefill = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
             handle = prefill.handle if prefill else None
-            if prefill is not None and prefill.first is not None:  # prefill sampled it: out now
-                progress.add(prefill.first)
-                delivered = False
+            first = prefill.first if prefill else None  # sampled by prefill: out at once
+            if first is not None and first.finish_reason is not None:  # and it was the last
+                progress.add(first)
                 try:
-                    yield prefill.first
-                    delivered = True
-                finally:  # the caller left, or that token was the last: no decode will read
-                    if not delivered or prefill.first.finish_reason is not None:
-                        self._release_soon(prefill.handle)
-                if prefill.first.finish_reason is not None:
-                    break
+                    yield first
+                finally:
+                    self._release_soon(handle)
+                break
+            if first is not None:
                 leg = prefill.decode_leg(leg)
             try:
                 decode_member = self.decode.pick_decode()
@@ -131,7 +129,7 @@ class Orchestrator:
                     self._release_soon(handle)
                 raise
             try:
-                async for chunk in self._decode(decode_member, leg, handle, progress):
+                async for chunk in self._decode(decode_member, leg, handle, progress, first):
                     yield chunk
                 break
             except (RayActorError, FeedLostError) as err:  # the decode actor died
@@ -162,15 +160,25 @@ class Orchestrator:
         yield result
 
     async def _decode(
-        self, member: Member, request: GenerateRequest, handle: TransferHandle | None, progress: _Progress
+        self,
+        member: Member,
+        request: GenerateRequest,
+        handle: TransferHandle | None,
+        progress: _Progress,
+        first: TokenChunk | None,
     ) -> AsyncIterator[TokenChunk]:
+        """Stream the decode leg; `first` (prefill's token) goes out while the leg starts."""
         member.outstanding_requests += 1
         feed = self._feed(member)
         inbox = feed.open_leg(request.request_id)
         started = finished = False
         try:
             await feed.opened()
-            await member.actor.start_leg.remote(feed.subscriber, request, handle)
+            leg_started = member.actor.start_leg.remote(feed.subscriber, request, handle)
+            if first is not None:
+                progress.add(first)
+                yield first
+            await leg_started
             while not finished:
                 chunks: list[TokenChunk] = []
                 for event in await inbox.take():
