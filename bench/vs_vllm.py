@@ -4,7 +4,8 @@ Same machine, same model (the embedded one unless --model), same cores, same ope
 workload, all driven by vLLM's own serving benchmark (`vllm bench serve`, over HTTP):
 - stock vLLM: one `vllm.entrypoints.openai.api_server` per core (pinned with
   VLLM_CPU_OMP_THREADS_BIND, its defaults otherwise), each fed half of the Poisson stream
-  (a random split of a Poisson stream is two Poisson streams at half the rate);
+  (a random split of a Poisson stream is two Poisson streams at half the rate); pdserve's
+  one front door gets both halves, the same arrivals and prompts;
 - pdserve colocated: `pdserve serve --prefill 0 --decode 2 --http ...`;
 - pdserve 1P+1D: `pdserve serve --prefill 1 --decode 1 --http ...`;
 pdserve's engines compiled like the stock servers' (`--no-enforce-eager`; `--pdserve-eager`
@@ -141,16 +142,21 @@ def pdserve(
     return _System(name, [(command, {}, f"http://127.0.0.1:{port}")], tree)
 
 
-def _bench(urls: list[str], model: str, rate: float, args: argparse.Namespace, out_dir: Path) -> list[dict]:
-    """`vllm bench serve` against each URL at rate/len(urls), concurrently; per-request records."""
+def _bench(
+    urls: list[str], model: str, rate: float, args: argparse.Namespace, out_dir: Path, clients: int
+) -> list[dict]:
+    """`clients` concurrent `vllm bench serve` processes, each at rate/clients with its own
+    seed, client i against URL i mod len(urls); per-request records. Every system gets the
+    same clients, hence the same arrivals and prompts: a run's length (and so goodput at
+    100% in SLO) then differs only by how fast the system serves them."""
     runs = []
-    for i, url in enumerate(urls):
+    for i in range(clients):
         result = out_dir / f"r{rate}-{i}.json"
-        command = [sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai", "--base-url", url]
+        command = [sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai", "--base-url", urls[i % len(urls)]]
         command += ["--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", model]
         command += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
         command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--ignore-eos"]
-        command += ["--num-prompts", str(max(1, args.requests // len(urls))), "--request-rate", str(rate / len(urls))]
+        command += ["--num-prompts", str(max(1, args.requests // clients)), "--request-rate", str(rate / clients)]
         command += ["--seed", str(args.seed + i), "--save-result", "--save-detailed", "--disable-tqdm"]
         command += ["--result-dir", str(out_dir), "--result-filename", result.name]
         runs.append((subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), result))
@@ -281,9 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             names.append(system.name)
             try:
                 system.wait_ready(timeout_s=600)
-                _bench(system.urls, model, 1.0, argparse.Namespace(**{**vars(args), "requests": 2}), Path(out))  # warm
+                warm = argparse.Namespace(**{**vars(args), "requests": len(cores)})
+                _bench(system.urls, model, 1.0, warm, Path(out), len(cores))
                 for rate in args.rates:
-                    records = _bench(system.urls, model, rate, args, Path(out))
+                    records = _bench(system.urls, model, rate, args, Path(out), len(cores))
                     point = judge(system.name, rate, records, args.output_len, DEFAULT_SLO)
                     points.append(point)
                     print(
