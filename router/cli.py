@@ -445,8 +445,8 @@ def _print_final(final) -> None:  # noqa: ANN001
         ("prompt / completion tokens", f"{final.usage.prompt_tokens} / {final.usage.completion_tokens} ({final.finish_reason})"),
         ("queue (routing + Ray hop)", f"{t.queue_s * 1e3:.1f} ms"),
         ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {final.prefill_worker}"),
-        ("transfer (NIXL pull + first step)", f"{t.transfer_s * 1e3:.1f} ms on {final.decode_worker}"),
         ("time to first token (router)", f"{t.ttft_s * 1e3:.1f} ms"),
+        ("handoff (NIXL pull + decode step)", f"{t.transfer_s * 1e3:.1f} ms to {final.decode_worker}'s first token"),
         (
             "decode",
             f"{t.decode_tokens_per_s:.1f} tok/s, inter-token p50 {t.inter_token.p50_s * 1e3:.1f} ms, "

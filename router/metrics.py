@@ -22,7 +22,7 @@ _L = ["prompt_bucket"]
 QUEUE = Histogram("pdserve_queue_seconds", "Router arrival to prefill start", _L, buckets=_SECONDS)
 PREFILL = Histogram("pdserve_prefill_seconds", "Prefill engine time", _L, buckets=_SECONDS)
 PROMPT_RATE = Histogram("pdserve_prefill_tokens_per_second", "Prompt tokens per second of prefill", _L, buckets=_RATE)
-TRANSFER = Histogram("pdserve_transfer_seconds", "Decode call to first token (NIXL pull + one step)", _L, buckets=_SECONDS)
+TRANSFER = Histogram("pdserve_transfer_seconds", "Prefill done to decode's first token (NIXL pull + one step)", _L, buckets=_SECONDS)
 TTFT = Histogram("pdserve_ttft_seconds", "Time to first token at the router", _L, buckets=_SECONDS)
 
 
@@ -95,6 +95,7 @@ def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (o
     if t.prefill_s > 0:
         PREFILL.labels(bucket).observe(t.prefill_s)
         PROMPT_RATE.labels(bucket).observe(result.prompt_tokens / t.prefill_s)
+    if t.transfer_s > 0:  # not when prefill's first token ended the request
         TRANSFER.labels(bucket).observe(t.transfer_s)
     if t.decode_tokens_per_s > 0:
         OUTPUT_RATE.labels(bucket).observe(t.decode_tokens_per_s)

@@ -283,18 +283,19 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
     first = times[0] if times else time.perf_counter()
     span = times[-1] - first if len(times) > 1 else 0.0
     prefill_s = prefill.prefill_s if prefill else 0.0
-    # The handoff ends at decode's first token, which follows any token prefill sampled.
+    # The handoff ends at decode's first token, which follows any token prefill sampled;
+    # a request that prefill's token ended moved nothing.
     from_prefill = len(prefill.first.token_ids) if prefill and prefill.first else 0
-    decoded_first = times[from_prefill] if len(times) > from_prefill else prefill_done
+    decoded = prefill is not None and len(times) > from_prefill
     return PhaseTimings(
         queue_s=max(0.0, (prefill_done - arrived) - prefill_s),
         prefill_s=prefill_s,
-        transfer_s=decoded_first - prefill_done if prefill else 0.0,
+        transfer_s=times[from_prefill] - prefill_done if decoded else 0.0,
         ttft_s=first - arrived,
         inter_token=LatencySummary.of([b - a for a, b in zip(times, times[1:])]),
         decode_tokens_per_s=(len(times) - 1) / span if span > 0 else 0.0,
         e2e_s=time.perf_counter() - arrived,
-        transfer_bytes=prefill.handle.bytes if prefill else TransferBytes(0, 0),
+        transfer_bytes=prefill.handle.bytes if decoded else TransferBytes(0, 0),
     )
 
 

@@ -121,6 +121,7 @@ def test_a_first_token_that_ends_the_request_is_never_decoded(deployment, refere
         assert tokens == [first]
         assert result.finish_reason == ("length" if sampling.max_tokens == 1 else "stop")
         assert result.decode_worker == "" and result.prefill_worker == "prefill-0"
+        assert result.timings.transfer_bytes.total == 0 and result.timings.transfer_s == 0
         assert_no_blocks_held(dep, timeout_s=LEASE_S - 2)
 
 
