@@ -446,7 +446,7 @@ def _print_final(final) -> None:  # noqa: ANN001
         ("queue (routing + Ray hop)", f"{t.queue_s * 1e3:.1f} ms"),
         ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {final.prefill_worker}"),
         ("time to first token (router)", f"{t.ttft_s * 1e3:.1f} ms"),
-        ("handoff (NIXL pull + decode step)", f"{t.transfer_s * 1e3:.1f} ms to {final.decode_worker}'s first token"),
+        ("handoff (NIXL pull + decode step)", f"{t.transfer_s * 1e3:.1f} ms on {final.decode_worker}"),
         (
             "decode",
             f"{t.decode_tokens_per_s:.1f} tok/s, inter-token p50 {t.inter_token.p50_s * 1e3:.1f} ms, "

@@ -84,17 +84,19 @@ def _engines_idle(ray, controller) -> bool:
 
 
 async def _open_stream(address: str, prompt: str, request_id: str, max_tokens: int):
-    """Start a stream; returns once its first chunk is in, with a task that finishes it."""
+    """Start a stream; returns once decode streams it (two tokens in: prefill may send the
+    first before decode has the request), with a task that finishes it."""
     channel = grpc.aio.insecure_channel(address)
     request = build_request(list(PROMPTS[prompt]), request_id, max_tokens=max_tokens, ignore_eos=True)
     from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
     call = pb_grpc.GenerationStub(channel).Generate(request)
     responses = call.__aiter__()
-    first = await anext(responses)
+    tokens = []
+    while len(tokens) < 2:
+        tokens.extend((await anext(responses)).chunk.token_ids)
 
     async def rest():
-        tokens = list(first.chunk.token_ids)
         try:
             async for response in responses:
                 if response.HasField("chunk"):

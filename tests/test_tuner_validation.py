@@ -147,16 +147,16 @@ def test_workload_is_the_load_generators_requests_unchanged() -> None:
 
 
 def test_predict_on_a_hand_checked_trace() -> None:
-    """1P:1D, two far-apart requests: prefill 0.1 s, transfer 0.01 s, the first token at the
-    end of the first 0.1 s decode step, then 0.1 s per token."""
+    """1P:1D, two far-apart requests: prefill (0.1 s per 100 tokens) samples the first token,
+    then transfer 0.01 s and 0.1 s per decode step: the first gap carries the transfer."""
     specs = [RequestSpec(0, 0.0, 100, 5), RequestSpec(1, 10.0, 200, 3)]
     placement = Placement(1, 1, batch_limit=16, token_budget=8192)
     timeline = predict(TOY, placement, specs)
     assert np.allclose(timeline.arrival, [0.0, 10.0])
-    assert np.allclose(timeline.ttft, [0.21, 0.31])
-    assert np.allclose(timeline.tpot, [0.1, 0.1])
+    assert np.allclose(timeline.ttft, [0.1, 0.2])
+    assert np.allclose(timeline.last_token - timeline.first_token, [0.01 + 4 * 0.1, 0.01 + 2 * 0.1])
     colocated = predict(TOY, Placement(0, 2, 16, 8192), specs)
-    assert np.allclose(colocated.ttft, [0.1, 0.2])  # the prefill samples the first token
+    assert np.allclose(colocated.ttft, [0.1, 0.2])  # the prefill samples the first token here too
 
 
 def test_placement_follows_the_engine_config() -> None:
