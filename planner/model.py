@@ -15,10 +15,9 @@ Prefill rows: one pass over a batch of `batch_tokens` prompt tokens whose longes
 `context_tokens`. Transfer rows: one prefill -> decode handoff of `bytes`. Serving rows
 (optional): one isolated request sent through gRPC, its client-side time to first token and
 the part of it the engines spent (prefill, plus the handoff where decode makes the first
-token). Host CPU rows (optional, CPU
-engines only): while decode streams run, how many cores the host kept busy outside the engine
-processes, against the tokens streamed per second; `engine_cores` is how many cores the
-engines are pinned to.
+token). Host CPU rows (optional, CPU engines only): while decode streams run, how many cores
+the host kept busy outside the engine processes, against the tokens streamed per second;
+`engine_cores` is how many cores the engines are pinned to.
 
 Three fits, all least squares with non-negative coefficients:
 - prefill:  seconds = fixed + per_token x T + per_pair x S, T the batch's tokens and S the

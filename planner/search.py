@@ -125,9 +125,8 @@ def capacity_bound(model: PerformanceModel, placement: Placement, workload: Work
     exactly as the simulator charges them: prefill in full token budgets of mean-length
     prompts; decode with every batch at its limit, a sequence holding a slot for its output
     tokens but the first (prefill samples that) at the mean context (prompt plus half the
-    output). The host slowdown (CPU
-    engines) depends on the rate itself: a fixed point. Transfers are latency only in the
-    simulator (no shared link), so they bound nothing here."""
+    output). The host slowdown (CPU engines) depends on the rate itself: a fixed point.
+    Transfers are latency only in the simulator (no shared link), so they bound nothing here."""
     prompt = float(workload.prompt_tokens.mean())
     output = float(workload.output_tokens.mean())
     per_batch = max(1.0, placement.token_budget // prompt)
