@@ -11,6 +11,8 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
 - CPU only: NixlConnector's worker moves the thread that builds it onto the host's last
   core; we put that thread (and the NIXL threads it started) back where they were, so each
   rank keeps the cores its OpenMP threads are bound to.
+- CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
+  (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,15 @@ PROGRESS_POLL_ENV = "PDSERVE_NIXL_PROGRESS_POLL_US"
 
 
 def register() -> None:
+    from vllm_engine.conv_state_update import DIM_FIRST_CONV_UPDATE_ENV
+
+    if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            from vllm_engine.conv_state_update import install
+
+            install()
     poll = os.environ.get(PROGRESS_POLL_ENV)
     if poll is None:  # not a pdserve engine process
         return
