@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,7 @@ from messages.reports import EngineCapacity, EngineLoad
 class Member:
     name: str
     actor: Any  # Ray actor handle
-    outstanding_requests: int = 0
+    _outstanding: int = 0  # this router's requests in flight on it (`outstanding_requests`)
     outstanding_prompt_tokens: int = 0
     load: EngineLoad | None = None
     # Picked only while alive: set once it answers (and is handshaken with the other pool),
@@ -34,21 +36,36 @@ class Member:
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
     missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
-    outstanding_at_report: int = 0  # this router's requests on it when `load` was measured
+    # (when, +1 started / -1 finished) for this router's requests not yet in a load report.
+    # Timed, not counted at the report's arrival: a report reaches the router through the
+    # controller a poll interval late, and counting then dropped the requests this router
+    # started in between (a second router put 4 streams on one engine and 2 on the other).
+    _changes: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
+
+    @property
+    def outstanding_requests(self) -> int:
+        return self._outstanding
+
+    @outstanding_requests.setter
+    def outstanding_requests(self, count: int) -> None:
+        self._changes.append((time.time(), count - self._outstanding))
+        self._outstanding = count
 
     def record_load(self, load: EngineLoad | None) -> None:
         self.load = load
-        self.outstanding_at_report = self.outstanding_requests
+        while self._changes and (load is None or self._changes[0][0] <= load.measured_at):
+            self._changes.popleft()  # in this report already
 
     @property
     def estimated_requests(self) -> int:
         """Requests on the engine from every router: the last report's running and waiting
-        ones, plus what this router started there since (minus what it finished). With one
-        router this is its own in-flight count; with several it includes the others'."""
+        ones, plus what this router started there since it was measured (minus what it
+        finished). With one router this is its own in-flight count; with several it includes
+        the others'."""
         if self.load is None:
-            return self.outstanding_requests
-        since_report = self.outstanding_requests - self.outstanding_at_report
-        return max(self.outstanding_requests, self.load.running + self.load.waiting + since_report)
+            return self._outstanding
+        since_report = sum(change for _, change in self._changes)
+        return max(self._outstanding, self.load.running + self.load.waiting + since_report)
 
 
 @dataclass(slots=True)

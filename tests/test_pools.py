@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from ray.exceptions import ActorDiedError
 
@@ -95,7 +96,7 @@ def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int =
             truth = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
             for pool in pools:
                 for member, running in zip(pool.members, truth):
-                    member.record_load(dataclasses.replace(LOAD, running=running))
+                    member.record_load(dataclasses.replace(LOAD, running=running, measured_at=time.time()))
         pool = pools[rng.randrange(routers)]
         pool.pick_decode().outstanding_requests += 1
     totals = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
@@ -119,7 +120,7 @@ def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_po
     from messages.membership import MemberState
 
     def state(name: str, running: int, alive: bool = True) -> MemberState:
-        return MemberState(name, name, alive, False, dataclasses.replace(LOAD, running=running), None)
+        return MemberState(name, name, alive, False, dataclasses.replace(LOAD, running=running, measured_at=time.time()), None)
 
     pool = Pool("decode")
     pool.mirror((state("decode-0", 0), state("decode-1", 0)), new_poll=True)
@@ -134,6 +135,24 @@ def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_po
     assert first.estimated_requests == 5  # the report already counts this router's 2
     first.outstanding_requests += 1
     assert first.estimated_requests == 6
+
+
+def test_a_late_report_still_counts_what_this_router_started_after_it_was_measured():
+    """A report reaches a router through the controller up to a poll interval after the
+    engine measured it: requests the router started in between are not in it, those it
+    started before are, whenever the report arrives."""
+    member = Member("decode-0", None, alive=True)
+    member.outstanding_requests += 1  # started before the measurement: counted in `running`
+    measured_at = time.time()
+    time.sleep(0.001)
+    member.outstanding_requests += 1  # started after it, before the report arrives
+    member.record_load(dataclasses.replace(LOAD, running=4, measured_at=measured_at))  # 3 others' + our first
+    assert member.estimated_requests == 5
+    member.outstanding_requests -= 1  # one of ours finished since
+    assert member.estimated_requests == 4
+    time.sleep(0.001)
+    member.record_load(dataclasses.replace(LOAD, running=4, measured_at=time.time()))  # a newer report has it all
+    assert member.estimated_requests == 4
 
 
 def test_a_journal_hands_over_what_finished_since_the_last_report():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import replace
 from typing import Any, Callable
 
@@ -35,8 +36,11 @@ class EngineWorker:
         return self.engine_id
 
     def load(self) -> EngineLoad:
-        """Cheap load report; carries the engine id so a router notices a restart."""
-        return replace(self._engine.load(), engine_id=self.engine_id, metrics_address=self._metrics_address)
+        """Cheap load report; carries the engine id so a router notices a restart, and when it
+        was measured so a router can add only its requests started since."""
+        return replace(
+            self._engine.load(), engine_id=self.engine_id, metrics_address=self._metrics_address, measured_at=time.time()
+        )
 
     def model_limits(self) -> ModelLimits:
         return self.limits
