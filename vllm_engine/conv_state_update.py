@@ -39,28 +39,17 @@ def install() -> None:
     unpacked_weights: dict[int, Any] = {}
 
     @functools.wraps(staged)
-    def update_in_place(  # noqa: ANN202 (vLLM's signature, untyped there)
-        *, x, conv_states, weight, bias, silu_activation, conv_state_indices, is_weight_packed, num_accepted_tokens=None
-    ):
-        unpacked = _unpacked_weight(unpacked_weights, weight) if is_weight_packed else None
-        if unpacked is None or num_accepted_tokens is not None or not gdn.is_conv_state_dim_first():
-            return staged(
-                x=x,
-                conv_states=conv_states,
-                weight=weight,
-                bias=bias,
-                silu_activation=silu_activation,
-                conv_state_indices=conv_state_indices,
-                is_weight_packed=is_weight_packed,
-                num_accepted_tokens=num_accepted_tokens,
-            )
+    def update_in_place(**call: Any) -> Any:  # vLLM calls it with keywords only
+        unpacked = _unpacked_weight(unpacked_weights, call["weight"]) if call["is_weight_packed"] else None
+        if unpacked is None or call.get("num_accepted_tokens") is not None or not gdn.is_conv_state_dim_first():
+            return staged(**call)
         return gdn.causal_conv1d_update_cpu(
-            x=x,
-            conv_state=conv_states,
+            x=call["x"],
+            conv_state=call["conv_states"],
             weight=unpacked,
-            bias=bias,
-            activation=silu_activation,
-            conv_state_indices=conv_state_indices,
+            bias=call["bias"],
+            activation=call["silu_activation"],
+            conv_state_indices=call["conv_state_indices"],
         )
 
     update_in_place.reads_dim_first_in_place = True  # type: ignore[attr-defined]
