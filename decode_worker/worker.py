@@ -6,7 +6,7 @@ all running requests together. Without a handle the engine prefills the prompt i
 which is also how the colocated baseline runs (`transfer=None`: no connector at all).
 
 Routers use the batched form: the feed at `feed_address()` streams, a batch per engine step,
-the tokens of every request the subscriber started with `start_leg` (decode_worker/feed.py).
+the tokens of every request the subscriber starts on it (decode_worker/feed.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from kv_transfer.connector_config import (
 from kv_transfer.metrics import STATE_BYTES, TransferStatLogger
 from messages.errors import InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest
-from messages.results import TokenChunk
+from messages.results import FeedAddress, TokenChunk
 from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
 from vllm_engine.sampling import sampling_params, token_chunk
@@ -49,7 +49,7 @@ class DecodeWorker(EngineWorker):
         self.name = name
         self._transfer = transfer
         self._feeds = FeedHub()
-        self._feed_server = FeedServer(self._feeds, feed_host)
+        self._feed_server = FeedServer(self._feeds, feed_host, self.start_leg, self.abort_leg)
         if transfer is None:
             self.engine_id = f"colocated-{name}"
             self._start_engine(engine_config, on_fatal=on_fatal)
@@ -79,14 +79,14 @@ class DecodeWorker(EngineWorker):
         async for chunk in self._admit(request, handle):
             yield chunk
 
-    async def feed_address(self) -> str:
-        """host:port of the feeds: a subscriber connects and gets, a batch per engine step,
-        every request it starts with `start_leg`."""
+    async def feed_address(self) -> FeedAddress:
+        """Where the feeds are: a subscriber connects, starts its requests there and gets,
+        a batch per engine step, the tokens of each."""
         return await self._feed_server.address()
 
-    async def start_leg(self, subscriber: str, request: GenerateRequest, handle: TransferHandle | None) -> None:
+    def start_leg(self, subscriber: str, request: GenerateRequest, handle: TransferHandle | None) -> None:
         """Start decoding into `subscriber`'s feed; a bad request or an expired handle is
-        refused here, later failures arrive in the feed."""
+        refused (raised) here, later failures arrive in the feed."""
         self._feeds.start(subscriber, request.request_id, self._admit(request, handle))
 
     def abort_leg(self, request_id: str) -> None:

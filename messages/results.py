@@ -49,10 +49,24 @@ class TokenChunk(PicklesPositionally):
 # the decode engine aborts every request still on it.
 FEED_TIMEOUT_S = 10.0
 FEED_RENEW_S = 1.0
-# On a feed's connection (decode_worker/feed.py -> router/feeds.py), a frame is the payload's
-# length in these many bytes (big-endian), then a pickled list of LegEvents. An empty frame
-# first tells the router its feed is open: it may start requests on it.
+# On a feed's connection (decode_worker/feed.py <-> router/feeds.py), a frame is the
+# payload's length in these many bytes (big-endian), then the pickled payload: from the
+# actor, a list of LegEvents (an empty frame first tells the router its feed is open: it may
+# start requests on it); from the router, one StartLeg or AbortLeg.
 FEED_FRAME_HEADER_BYTES = 4
+# The largest frame a decode actor reads from a router (a StartLeg of a maximum-length prompt
+# is a few MiB); a bigger length ends the connection.
+FEED_MAX_COMMAND_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class FeedAddress:
+    """Where a router reaches a decode actor's feeds, and the secret it says hello with: only
+    a caller of the actor (through Ray, the cluster's trusted channel) learns it."""
+
+    host: str
+    port: int
+    token: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +77,22 @@ class LegEvent(PicklesPositionally):
     leg_id: str
     chunk: TokenChunk | None = None
     error: BaseException | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StartLeg(PicklesPositionally):
+    """A router's frame on its feed: decode `request` (from the state `handle` names, or
+    from its prompt when None) into this feed. A refusal comes back as the leg's error."""
+
+    request: GenerateRequest
+    handle: TransferHandle | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class AbortLeg(PicklesPositionally):
+    """A router's frame on its feed: stop decoding `leg_id` (its caller left)."""
+
+    leg_id: str
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,7 +11,9 @@ import uuid
 from typing import Any
 
 from messages.errors import DecodeFailedError, FeedLostError
-from messages.results import FEED_FRAME_HEADER_BYTES, FEED_RENEW_S, LegEvent
+from messages.requests import GenerateRequest
+from messages.results import FEED_FRAME_HEADER_BYTES, FEED_RENEW_S, AbortLeg, FeedAddress, LegEvent, StartLeg
+from messages.transfer import TransferHandle
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +54,8 @@ class LegInbox:
 
 
 class DecodeFeed:
-    """This router's feed from the decode actor `name`. Each request reads its own inbox of
+    """This router's feed from the decode actor `name`, and its requests' way in: each is
+    started and aborted with a frame on the feed's connection, and reads its own inbox of
     LegEvents; if the feed breaks (the actor died), every request on it gets a FeedLostError,
     and a request that hears nothing for `stall_timeout_s` gets a DecodeFailedError. Closing
     it ends the feed on the actor, with every request on it; while it runs, the router also
@@ -64,6 +67,7 @@ class DecodeFeed:
         self.subscriber = f"router-{uuid.uuid4().hex}"
         self._stall_timeout_s = stall_timeout_s
         self._legs: dict[str, LegInbox] = {}
+        self._writer: asyncio.StreamWriter | None = None
         self._loop = asyncio.get_running_loop()
         # Set once the actor has opened the feed (requests started before would be lost):
         # None, or the error that kept it from opening.
@@ -87,6 +91,22 @@ class DecodeFeed:
         """Listen for `leg_id` before starting it, so no early batch is missed."""
         inbox = self._legs[leg_id] = LegInbox(self._loop)
         return inbox
+
+    def start_leg(self, request: GenerateRequest, handle: TransferHandle | None) -> None:
+        """Start decoding `request` (opened with `open_leg`, on an opened feed); a refusal
+        arrives in its inbox as the leg's error."""
+        self._send(StartLeg(request, handle))
+
+    def abort_leg(self, leg_id: str) -> None:
+        """Stop `leg_id` on the actor. On a broken feed there is nothing left to stop: the
+        actor aborted the feed's requests when its connection closed."""
+        self._send(AbortLeg(leg_id))
+
+    def _send(self, command: StartLeg | AbortLeg) -> None:
+        if self._writer is None or self._writer.is_closing():
+            return  # never opened or broken: the leg's inbox hears why
+        payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
+        self._writer.write(len(payload).to_bytes(FEED_FRAME_HEADER_BYTES, "big") + payload)
 
     def close_leg(self, leg_id: str) -> None:
         self._legs.pop(leg_id, None)
@@ -119,11 +139,12 @@ class DecodeFeed:
     async def _run(self) -> None:
         writer: asyncio.StreamWriter | None = None
         try:
-            host, port = (await self.actor.feed_address.remote()).rsplit(":", 1)
-            reader, writer = await asyncio.open_connection(host, int(port))
-            writer.write(f"{self.subscriber}\n".encode())
+            address: FeedAddress = await self.actor.feed_address.remote()
+            reader, writer = await asyncio.open_connection(address.host, address.port)
+            writer.write(f"{self.subscriber} {address.token}\n".encode())
             if int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big") != 0:
                 raise ConnectionError("the decode actor did not open the feed")
+            self._writer = writer
             self._opened.set_result(None)
             while True:
                 size = int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big")

@@ -174,11 +174,10 @@ class Orchestrator:
         started = finished = False
         try:
             await feed.opened()
-            leg_started = member.actor.start_leg.remote(feed.subscriber, request, handle)
+            feed.start_leg(request, handle)
             if first is not None:
                 progress.add(first)
                 yield first
-            await leg_started
             while not finished:
                 chunks: list[TokenChunk] = []
                 for event in await inbox.take():
@@ -198,7 +197,7 @@ class Orchestrator:
             feed.close_leg(request.request_id)
             member.outstanding_requests -= 1
             if not finished:  # caller left early or it failed: stop the engine too
-                member.actor.abort_leg.remote(request.request_id)
+                feed.abort_leg(request.request_id)
             if handle is not None and not started:
                 # Cancelled or failed before decode produced anything: the producer may
                 # still hold the blocks; have it free them now, not at lease expiry.

@@ -1,5 +1,6 @@
-"""Decode feeds without engines: batching, aborts and cleanup in FeedHub (decode_worker/feed.py).
-The real path (Ray streams from engine actors to the router) runs in every P/D test."""
+"""Decode feeds without engines: batching, aborts and cleanup in FeedHub (decode_worker/feed.py),
+and the feed connection between a router (router/feeds.py) and a FeedServer on loopback.
+The real path (engine actors streaming to the router) runs in every P/D test."""
 
 import asyncio
 
@@ -175,15 +176,60 @@ def test_per_step_messages_survive_pickling():
 
 
 class _ActorServing:
-    """A decode actor's feed side, real FeedHub and FeedServer on a loopback socket."""
+    """A decode actor's feed side, real FeedHub and FeedServer on a loopback socket; each
+    request it starts streams `len(prompt)` tokens, one per `step`, or is refused if its
+    prompt holds a 0."""
 
     def __init__(self):
         from decode_worker.feed import FeedServer
 
         self.hub = FeedHub()
-        self.server = FeedServer(self.hub, "127.0.0.1")
+        self.step = asyncio.Event()
+        self.closed: list[str] = []
+        self.server = FeedServer(self.hub, "127.0.0.1", self._start_leg, self.hub.abort)
         self.feed_address = _SilentActor._Method(self.server.address)
         self.renew_feed = _SilentActor._Method(lambda: None)
+
+    def _start_leg(self, subscriber, request, handle):
+        from messages.errors import InvalidRequestError
+
+        if 0 in request.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids", "hold a 0")
+        leg_id = request.request_id
+        self.hub.start(subscriber, leg_id, _tokens(self.step, len(request.prompt_token_ids), self.closed, leg_id))
+
+
+def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_back_in_the_feed():
+    from messages.errors import InvalidRequestError
+    from messages.requests import GenerateRequest
+    from router.feeds import DecodeFeed
+
+    async def scenario():
+        actor = _ActorServing()
+        feed = DecodeFeed("decode-1", actor, stall_timeout_s=60)
+        await feed.opened()
+        inboxes = {name: feed.open_leg(name) for name in ("short", "long", "bad")}
+        feed.start_leg(GenerateRequest("short", (5, 6)), None)
+        feed.start_leg(GenerateRequest("long", tuple(range(1, 50))), None)
+        feed.start_leg(GenerateRequest("bad", (3, 0)), None)
+        actor.step.set()
+        short = []
+        while not short or short[-1].chunk.finish_reason is None:
+            short += await asyncio.wait_for(inboxes["short"].take(), 5)
+        (refusal,) = await asyncio.wait_for(inboxes["bad"].take(), 5)
+        feed.abort_leg("long")
+        for _ in range(100):
+            if "long" in actor.closed:
+                break
+            await asyncio.sleep(0.01)
+        feed.close()
+        return [e.chunk.token_ids for e in short], refusal, actor.closed
+
+    short, refusal, closed = asyncio.run(scenario())
+    assert short == [(0,), (1,)]
+    assert refusal.leg_id == "bad" and isinstance(refusal.error, InvalidRequestError)
+    assert "hold a 0" in str(refusal.error)
+    assert sorted(closed) == ["long", "short"]  # aborted mid-stream, finished
 
 
 def test_tokens_cross_the_feed_connection_and_closing_it_aborts_the_requests():
@@ -238,22 +284,59 @@ def test_the_feed_port_drops_silent_peers_and_second_readers():
 
     async def scenario():
         hub = FeedHub()
-        server = FeedServer(hub, "127.0.0.1", hello_timeout_s=0.2)
-        host, port = (await server.address()).rsplit(":", 1)
+        server = FeedServer(hub, "127.0.0.1", lambda *args: None, lambda leg_id: None, hello_timeout_s=0.2)
+        address = await server.address()
 
         async def connect(hello: bytes | None):
-            reader, writer = await asyncio.open_connection(host, int(port))
+            reader, writer = await asyncio.open_connection(address.host, address.port)
             if hello is not None:
                 writer.write(hello)
             return reader, writer
 
-        silent, overlong, first = await connect(None), await connect(b"x" * 100_000), await connect(b"router-a\n")
+        valid = f"router-a {address.token}\n".encode()
+        silent, overlong, no_token = await connect(None), await connect(b"x" * 100_000), await connect(b"router-a\n")
+        wrong_token = await connect(b"router-a " + b"0" * len(address.token) + b"\n")
+        first = await connect(valid)
         opened = await asyncio.wait_for(first[0].readexactly(4), 5)
-        second = await connect(b"router-a\n")
-        ends = [await asyncio.wait_for(reader.read(), 5) for reader, _ in (silent, overlong, second)]
+        second = await connect(valid)
+        ends = [await asyncio.wait_for(r.read(), 5) for r, _ in (silent, overlong, no_token, wrong_token, second)]
         return opened, ends, hub.is_streaming("router-a")  # `first` still holds its connection
 
     opened, ends, still_streaming = asyncio.run(scenario())
     assert opened == bytes(4)  # the feed-open frame
-    assert ends == [b"", b"", b""]  # each closed without a frame
+    assert ends == [b""] * 5  # each closed without a frame
     assert still_streaming  # the first reader keeps its feed
+
+
+class _RunsCommand:
+    """A pickle that would run a shell command when loaded by a plain unpickler."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch /tmp/pdserve-feed-pwned",)
+
+
+def test_a_frame_that_is_not_a_feed_command_ends_the_connection_without_running_anything():
+    import os
+    import pickle
+
+    from decode_worker.feed import FeedServer
+
+    async def scenario():
+        hub, started = FeedHub(), []
+        server = FeedServer(hub, "127.0.0.1", lambda *args: started.append(args), lambda leg_id: None)
+        address = await server.address()
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(f"router-a {address.token}\n".encode())
+        opened = await asyncio.wait_for(reader.readexactly(4), 5)
+        payload = pickle.dumps(_RunsCommand())
+        writer.write(len(payload).to_bytes(4, "big") + payload)
+        end = await asyncio.wait_for(reader.read(), 5)
+        return opened, end, started, hub.is_streaming("router-a")
+
+    if os.path.exists("/tmp/pdserve-feed-pwned"):
+        os.remove("/tmp/pdserve-feed-pwned")
+    opened, end, started, streaming = asyncio.run(scenario())
+    assert opened == bytes(4) and end == b""  # the feed ended on the bad frame
+    assert not os.path.exists("/tmp/pdserve-feed-pwned") and not started and not streaming
