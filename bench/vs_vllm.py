@@ -10,11 +10,16 @@ workload, all driven by vLLM's own serving benchmark (`vllm bench serve`, over H
 - pdserve 1P+1D: `pdserve serve --prefill 1 --decode 1 --http ...`;
 pdserve's engines compiled like the stock servers' (`--no-enforce-eager`; `--pdserve-eager`
 runs pdserve's CPU default instead).
-The systems run one after another (each needs both cores), every rate on each. Requests are
-judged by one SLO (TTFT and a request's p90 inter-token gap, as the issue defines it) with
-pdserve's percentile definition, from the benchmark's per-request records.
+The systems take turns, one up at a time (each needs both cores, and an idle one is not
+idle: stock vLLM's CPU workers spin, pdserve's controller polls): a turn starts a system,
+drives every rate on it and stops it. Each round gives every system a turn, in the opposite
+order the next round, so a slow or fast spell of this shared machine falls on all of them
+alike instead of on whichever system ran then. A system's point at a rate pools its rounds
+(goodput: good requests over the summed durations of its turns). Requests are judged by one
+SLO (TTFT and a request's p90 inter-token gap, as the issue defines it) with pdserve's
+percentile definition, from the benchmark's per-request records.
 
-    python -m bench.vs_vllm [--rates 1 3 5 7] [--requests 40] [--input-len 1024] [--output-len 50]
+    python -m bench.vs_vllm [--rates 1 3 5 7] [--requests 40] [--rounds 2] [--input-len 1024] [--output-len 50]
 """
 
 from __future__ import annotations
@@ -184,11 +189,16 @@ def records_of(data: dict) -> list[dict]:
 
 
 def judge(system: str, rate: float, records: list[dict], output_len: int, slo: SLO) -> RatePoint:
+    """Records may come from several turns (`turn` in each record): the duration is the sum
+    of each turn's own span."""
     done = [r for r in records if not r["error"] and r["tokens"] == output_len]
     good = [
         r for r in done if r["ttft"] <= slo.ttft_s and (not r["itl"] or percentile(r["itl"], 90) <= slo.itl_s)
     ]
-    duration = max(r["end"] for r in records) - min(r["start"] for r in records)
+    turns: dict[int, list[dict]] = {}
+    for r in records:
+        turns.setdefault(r.get("turn", 0), []).append(r)
+    duration = sum(max(r["end"] for r in turn) - min(r["start"] for r in turn) for turn in turns.values())
     return RatePoint(
         system,
         rate,
@@ -230,11 +240,31 @@ def print_table(points: list[RatePoint], systems: list[str]) -> None:
         print(f"  {rate:g} req/s: " + "; ".join(cells))
 
 
+def plot(points: list[RatePoint], systems: list[str], path: Path) -> None:
+    """TPOT p50 and goodput against the offered rate, a line per system."""
+    from bench.loadgen import _pyplot
+
+    plt = _pyplot()
+    fig, (tpot, goodput) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for name in systems:
+        mine = sorted((p for p in points if p.system == name), key=lambda p: p.rate)
+        rates = [p.rate for p in mine]
+        tpot.plot(rates, [1e3 * (p.tpot_s.p50 or float("nan")) for p in mine], marker="o", label=name)
+        goodput.plot(rates, [p.goodput_rps for p in mine], marker="o", label=name)
+    tpot.set(xlabel="offered load, req/s", ylabel="TPOT p50, ms", title="time per output token")
+    goodput.set(xlabel="offered load, req/s", ylabel="requests in SLO / s", title="goodput")
+    tpot.set_ylim(bottom=0)
+    goodput.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.vs_vllm", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=EMBEDDED_MODEL)
     parser.add_argument("--rates", type=float, nargs="+", default=[1, 3, 5, 7])
-    parser.add_argument("--requests", type=int, default=40, help="per rate and system")
+    parser.add_argument("--requests", type=int, default=40, help="per rate, system and round")
+    parser.add_argument("--rounds", type=int, default=2, help="turns of every system at every rate")
     parser.add_argument("--input-len", type=int, default=1024)
     parser.add_argument("--output-len", type=int, default=50)
     parser.add_argument("--seed", type=int, default=0)
@@ -260,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "without stock, ratios are against it",
     )
     parser.add_argument("--json", type=Path, help="write every rate point here")
+    parser.add_argument("--plot", type=Path, default=Path("bench/results/vs_vllm.png"), help="TPOT and goodput per rate")
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     cores = sorted(os.sched_getaffinity(0))[:2]
@@ -279,33 +310,45 @@ def main(argv: list[str] | None = None) -> int:
         baseline["1p1d"] = lambda: pdserve_system(1, 1, args.baseline_tree)
         stock = runs[:1] if args.systems[0] == "stock" else []
         runs = stock + [baseline[key] for key in args.systems if key in baseline] + runs[len(stock):]
-    points: list[RatePoint] = []
+    records: dict[tuple[str, float], list[dict]] = {}
     names: list[str] = []
+    turn = 0
     with tempfile.TemporaryDirectory(prefix="vs-vllm-") as out:
-        for build in runs:
-            system = build()
-            names.append(system.name)
-            try:
-                system.wait_ready(timeout_s=600)
-                warm = argparse.Namespace(**{**vars(args), "requests": len(cores)})
-                _bench(system.urls, model, 1.0, warm, Path(out), len(cores))
-                for rate in args.rates:
-                    records = _bench(system.urls, model, rate, args, Path(out), len(cores))
-                    point = judge(system.name, rate, records, args.output_len, DEFAULT_SLO)
-                    points.append(point)
-                    print(
-                        f"{system.name} at {rate:g} req/s: goodput {point.goodput_rps:.2f} req/s, "
-                        f"{100 * point.slo_attainment:.0f}% in SLO, TPOT p50 {_ms(point.tpot_s.p50)} ms",
-                        file=sys.stderr,
-                    )
-            finally:
-                system.stop()
+        for round_ in range(args.rounds):
+            for build in runs if round_ % 2 == 0 else runs[::-1]:
+                system = build()
+                if system.name not in names:
+                    names.append(system.name)
+                try:
+                    system.wait_ready(timeout_s=600)
+                    warm = argparse.Namespace(**{**vars(args), "requests": len(cores)})
+                    _bench(system.urls, model, 1.0, warm, Path(out), len(cores))
+                    for rate in args.rates:
+                        turn += 1
+                        got = _bench(system.urls, model, rate, args, Path(out), len(cores))
+                        records.setdefault((system.name, rate), []).extend({**r, "turn": turn} for r in got)
+                        point = judge(system.name, rate, got, args.output_len, DEFAULT_SLO)
+                        print(
+                            f"round {round_ + 1}/{args.rounds}: {system.name} at {rate:g} req/s: "
+                            f"goodput {point.goodput_rps:.2f} req/s, {100 * point.slo_attainment:.0f}% in SLO, "
+                            f"TPOT p50 {_ms(point.tpot_s.p50)} ms",
+                            file=sys.stderr,
+                        )
+                finally:
+                    system.stop()
+    points = [
+        judge(name, rate, records[(name, rate)], args.output_len, DEFAULT_SLO) for rate in args.rates for name in names
+    ]
     shape = f"{args.input_len}-token prompts, {args.output_len} output tokens, {args.requests} requests per rate"
+    shape += f" and system in each of {args.rounds} rounds"
     print(f"\n{shape}, Poisson arrivals; SLO: TTFT <= {DEFAULT_SLO.ttft_s:g} s and a request's p90")
     print(f"inter-token gap <= {1e3 * DEFAULT_SLO.itl_s:g} ms")
     print_table(points, names)
     if args.json:
         args.json.write_text(json.dumps([asdict(p) for p in points], indent=2))
+    args.plot.parent.mkdir(parents=True, exist_ok=True)
+    plot(points, names, args.plot)
+    print(f"\nplot: {args.plot}")
     return 0
 
 

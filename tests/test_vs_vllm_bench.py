@@ -30,3 +30,27 @@ def test_requests_are_judged_by_ttft_and_their_p90_gap():
     assert (point.sent, point.completed) == (5, 3)
     assert point.slo_attainment == pytest.approx(1 / 5)  # only `fast` meets both bounds
     assert point.tpot_s.p50 == pytest.approx(0.01)
+
+
+def test_goodput_over_several_turns_counts_only_the_time_each_turn_ran():
+    # Two turns of the same system, 100 s apart (the other systems ran in between): goodput
+    # is good requests over the two turns' own spans, not over the whole interval.
+    first = [{**r, "turn": 1} for r in records_of(_data([(0.1, [0.01] * 9, 10, "")] * 5))]
+    second = [{**r, "turn": 2, "start": r["start"] + 100, "end": r["end"] + 100} for r in first]
+    point = judge("s", 1.0, first + second, 10, DEFAULT_SLO)
+    span = first[-1]["end"] - first[0]["start"]  # each turn: 5 requests, 1 s apart
+    assert point.goodput_rps == pytest.approx(10 / (2 * span))
+    assert point.slo_attainment == 1.0
+
+
+def test_judged_points_plot_to_a_png(tmp_path):
+    from bench.vs_vllm import plot
+
+    points = [
+        judge(system, rate, records_of(_data([(0.1, [gap] * 9, 10, "")] * 3)), 10, DEFAULT_SLO)
+        for system, gap in (("stock", 0.02), ("pdserve", 0.01))
+        for rate in (1.0, 3.0)
+    ]
+    path = tmp_path / "vs.png"
+    plot(points, ["stock", "pdserve"], path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
