@@ -230,7 +230,11 @@ class FeedServer:
                 size = int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big")
                 if size > FEED_MAX_COMMAND_BYTES:
                     return
-                command = _load_command(await reader.readexactly(size))
+                payload = await reader.readexactly(size)
+                try:
+                    command = _load_command(payload)
+                except Exception:  # not a frame a router writes: end the connection, quietly
+                    return
                 if isinstance(command, StartLeg):
                     try:
                         self._start_leg(subscriber, command.request, command.handle)
@@ -240,7 +244,7 @@ class FeedServer:
                     self._abort_leg(command.leg_id)
                 else:
                     return
-        except (asyncio.IncompleteReadError, ConnectionError, pickle.UnpicklingError):
+        except (asyncio.IncompleteReadError, ConnectionError):
             return
 
 

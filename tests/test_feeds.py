@@ -333,10 +333,16 @@ def test_a_frame_that_is_not_a_feed_command_ends_the_connection_without_running_
         payload = pickle.dumps(_RunsCommand())
         writer.write(len(payload).to_bytes(4, "big") + payload)
         end = await asyncio.wait_for(reader.read(), 5)
-        return opened, end, started, hub.is_streaming("router-a")
+        streaming = hub.is_streaming("router-a")
+        # Garbage with the token ends a connection the same way.
+        reader, writer = await asyncio.open_connection(address.host, address.port)
+        writer.write(f"router-b {address.token}\n".encode() + (5).to_bytes(4, "big") + b"junk!")
+        garbage = await asyncio.wait_for(reader.read(), 5)
+        return opened, end, started, streaming, garbage, hub.is_streaming("router-b")
 
     if os.path.exists("/tmp/pdserve-feed-pwned"):
         os.remove("/tmp/pdserve-feed-pwned")
-    opened, end, started, streaming = asyncio.run(scenario())
+    opened, end, started, streaming, garbage, garbage_streaming = asyncio.run(scenario())
     assert opened == bytes(4) and end == b""  # the feed ended on the bad frame
     assert not os.path.exists("/tmp/pdserve-feed-pwned") and not started and not streaming
+    assert garbage == bytes(4) and not garbage_streaming  # opened, then ended on the junk
