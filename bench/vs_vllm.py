@@ -65,11 +65,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _import_first(tree: Path) -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join(p for p in (str(tree.resolve()), os.environ.get("PYTHONPATH")) if p)}
+
+
 class _System:
     """Server processes behind one or more base URLs; stopped with their whole session."""
 
     def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str], str]], cwd: Path | None = None) -> None:
-        """`cwd`: run from this checkout (Ray's workers import from the driver's cwd)."""
+        """`cwd`: run from this checkout. Its path goes first on PYTHONPATH too: pdserve's
+        editable install imports `vllm_engine` from the installed checkout as every interpreter
+        starts (the torchvision shim's .pth), before the cwd is on the path; Ray's workers
+        inherit the variable."""
         self.name = name
         self.urls = [url for _, _, url in commands]
         prefix = "vs-vllm-" + "".join(c if c.isalnum() or c in "+." else "-" for c in name) + "-"
@@ -78,7 +85,7 @@ class _System:
         self._processes = [
             subprocess.Popen(
                 command,
-                env={**os.environ, **env},
+                env={**os.environ, **env, **(_import_first(cwd) if cwd else {})},
                 stdout=self._log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

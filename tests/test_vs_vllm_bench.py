@@ -1,8 +1,11 @@
 """bench/vs_vllm.py's judging of `vllm bench serve` records (the servers run in `make bench`)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
-from bench.vs_vllm import DEFAULT_SLO, judge, records_of
+from bench.vs_vllm import DEFAULT_SLO, _System, judge, records_of
 
 
 def _data(requests: list[tuple[float, list[float], int, str]]) -> dict:
@@ -54,3 +57,17 @@ def test_judged_points_plot_to_a_png(tmp_path):
     path = tmp_path / "vs.png"
     plot(points, ["stock", "pdserve"], path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_system_from_another_checkout_imports_every_package_from_it(tmp_path: Path):
+    # The installed checkout's .pth imports vllm_engine as each interpreter starts: an A/B
+    # against another tree must still load that tree's vllm_engine, not the installed one.
+    package = tmp_path / "vllm_engine"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "torchvision_shim.py").write_text("def install():\n    pass\n")
+    probe = [sys.executable, "-c", "import vllm_engine; print('loaded', vllm_engine.__file__)"]
+    system = _System("probe", [(probe, {}, "http://127.0.0.1:1")], cwd=tmp_path)
+    system._processes[0].wait(60)
+    system.stop()
+    assert f"loaded {package / '__init__.py'}" in Path(system._log.name).read_text()
