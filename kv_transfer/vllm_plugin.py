@@ -9,8 +9,9 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
 
 - NIXL's progress thread, asleep in poll() (kv_transfer.progress_thread).
 - CPU only: NixlConnector's worker moves the thread that builds it onto the host's last
-  core; we put that thread (and the NIXL threads it started) back where they were, so each
-  rank keeps the cores its OpenMP threads are bound to.
+  core; we put that thread back where it was, so each rank keeps the cores its OpenMP
+  threads are bound to, and let the NIXL threads it started run on any of the process's
+  cores, away from the forward (vllm_engine.cpu_affinity).
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
 """
@@ -26,6 +27,9 @@ PROGRESS_POLL_ENV = "PDSERVE_NIXL_PROGRESS_POLL_US"
 
 def register() -> None:
     from vllm_engine.conv_state_update import DIM_FIRST_CONV_UPDATE_ENV
+    from vllm_engine.cpu_affinity import remember_process_cores
+
+    remember_process_cores()  # before vLLM binds this process's threads to the engine's cores
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
         from vllm.platforms import current_platform
@@ -49,7 +53,7 @@ def register() -> None:
 def _keep_connector_threads_on_their_cores() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
-    from vllm_engine.cpu_affinity import confine_threads
+    from vllm_engine.cpu_affinity import free_threads, python_thread_ids, thread_ids
 
     init = NixlBaseConnectorWorker.__init__
     if getattr(init, "keeps_cpu_affinity", False):
@@ -58,8 +62,10 @@ def _keep_connector_threads_on_their_cores() -> None:
     @functools.wraps(init)
     def init_keeping_cores(self, *args, **kwargs) -> None:  # noqa: ANN001
         cores = os.sched_getaffinity(0)
+        before = thread_ids()
         init(self, *args, **kwargs)
-        confine_threads(cores)
+        os.sched_setaffinity(0, cores)
+        free_threads(thread_ids() - before - python_thread_ids())  # NIXL's own (progress, UCX)
 
     init_keeping_cores.keeps_cpu_affinity = True  # type: ignore[attr-defined]
     NixlBaseConnectorWorker.__init__ = init_keeping_cores

@@ -30,6 +30,7 @@ from reference import (
 from kv_transfer.connector_config import TransferConfig
 from messages.errors import HandleExpiredError, InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
+from vllm_engine.cpu_affinity import python_thread_ids
 
 LEASE_S = 6
 
@@ -51,16 +52,22 @@ def test_every_pair_is_handshaken_before_traffic(deployment):
 
 
 def test_each_engine_keeps_to_its_own_core(deployment):
-    """NixlConnector moves its thread to the host's last core; pdserve moves the engine back,
-    so the prefill and decode engines run on different cores (one each, handed out in turn)."""
+    """NixlConnector moves its thread to the host's last core; pdserve moves the engine's
+    Python threads back, so the prefill and decode engines run on different cores (one each,
+    handed out in turn), and lets the native helpers (NIXL's progress thread, Ray's I/O) run
+    on any core instead of preempting the forward."""
     dep, _ = deployment
     members = dep.prefill.members + dep.decode.members
     pids = ray.get([m.actor.pid.remote() for m in members])
+    python_threads = ray.get([m.actor.__ray_call__.remote(lambda _: python_thread_ids()) for m in members])
     cores = [dep.config.engine_for(m.name.split("-")[0], i).cpu_cores for i, m in enumerate(members)]
-    assert len(set(cores)) == min(len(members), len(os.sched_getaffinity(0)))
-    for pid, core in zip(pids, cores):
-        threads = os.listdir(f"/proc/{pid}/task")
-        assert threads and all(os.sched_getaffinity(int(tid)) == {int(core)} for tid in threads), (pid, core)
+    host = os.sched_getaffinity(0)
+    assert len(set(cores)) == min(len(members), len(host))
+    for pid, core, python in zip(pids, cores, python_threads):
+        placement = {int(tid): os.sched_getaffinity(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+        assert python and all(placement[tid] == {int(core)} for tid in python if tid in placement), (pid, core)
+        assert all(where in ({int(core)}, host) for where in placement.values()), (pid, core, placement)
+        assert any(where == host for tid, where in placement.items() if tid not in python), (pid, "no free helper")
 
 
 def test_engines_run_at_normal_priority(deployment):

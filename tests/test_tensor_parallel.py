@@ -104,16 +104,19 @@ def test_tp2_byte_accounting_covers_every_rank(served_tp2, model_path):
 
 def test_each_rank_keeps_to_its_own_core(served_tp2):
     """NixlConnector moves the thread that builds it onto the host's last core, in every rank
-    process; pdserve's vLLM plugin puts it back, so rank 0 stays on core 0 and rank 1 on core 1."""
+    process; pdserve's vLLM plugin puts it back, so rank 0 runs its forward on core 0 and
+    rank 1 on core 1, and lets NIXL's own threads run on any core."""
+    host = os.sched_getaffinity(0)
     for member in served_tp2.dep.prefill.members + served_tp2.dep.decode.members:
         actor_pid = ray.get(member.actor.pid.remote())
         ranks = _rank_processes(actor_pid)
         assert len(ranks) == 2, (member.name, [(p.pid, p.cmdline()) for p in psutil.Process(actor_pid).children(True)])
         homes = []
         for proc in ranks:
+            home = os.sched_getaffinity(proc.pid)  # the rank's main thread runs its forward
             affinities = {frozenset(os.sched_getaffinity(t.id)) for t in proc.threads()}
-            assert len(affinities) == 1, (member.name, proc.pid, affinities)
-            homes.append(next(iter(affinities)))
+            assert affinities <= {frozenset(home), frozenset(host)}, (member.name, proc.pid, affinities)
+            homes.append(frozenset(home))
         assert sorted(homes, key=min) == [frozenset({0}), frozenset({1})], (member.name, homes)
 
 

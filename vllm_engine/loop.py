@@ -21,7 +21,7 @@ from messages.errors import EngineDeadError
 from messages.reports import EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig, cores_of
-from vllm_engine.cpu_affinity import confine_threads, parse_cores
+from vllm_engine.cpu_affinity import confine_python_threads, parse_cores
 from vllm_engine.engine import prepare_process
 from vllm_engine.metrics import ENGINE_STEP_CPU
 from vllm_engine.sampling import as_invalid_request
@@ -97,9 +97,9 @@ class EngineLoop:
 
         engine = LLMEngine.from_engine_args(config.engine_args(kv_transfer_config), stat_loggers=stat_loggers)
         if config.cpu_cores is not None and config.device == "cpu":
-            # Undo NixlConnector's re-pinning of this process's threads (with TP > 1 this
-            # process only schedules; the ranks run the forward on their own cores).
-            confine_threads(parse_cores(cores_of(config.cpu_cores)))
+            # The loop thread starts from here: Python threads share the engine's cores (with
+            # TP > 1 this process only schedules; the ranks run the forward on their own).
+            confine_python_threads(parse_cores(cores_of(config.cpu_cores)))
         return cls(engine, on_fatal)
 
     @property
