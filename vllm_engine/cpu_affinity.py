@@ -13,8 +13,8 @@ thread, which shares its GIL) go back onto the engine's cores. Its native helper
 not: NIXL's progress thread and Ray's I/O threads wake on traffic, and pinned beside the
 forward every wake-up preempted it. Left free, in 1P+1D single streams on this box, the
 handoff's first decode gap fell from 11.6-11.9 ms to 8.4-8.8 ms and the decode ITL p90 from
-4.5 to 4.0-4.2 ms. Python threads stay with the forward on purpose: on another core they
-contend for the GIL across cores, which made the same ITL worse (3.9 vs 3.7 ms p50).
+4.5 to 4.0-4.2 ms. Python threads stay with the forward on purpose: they take the GIL from
+it, and moving them to another core too made the same ITL worse (3.9 vs 3.7 ms p50).
 """
 
 from __future__ import annotations
