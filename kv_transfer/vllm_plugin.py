@@ -47,10 +47,10 @@ def register() -> None:
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
-        _keep_connector_threads_on_their_cores()
+        _place_connector_threads()
 
 
-def _keep_connector_threads_on_their_cores() -> None:
+def _place_connector_threads() -> None:
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
 
     from vllm_engine.cpu_affinity import free_threads, python_thread_ids, thread_ids
@@ -60,12 +60,12 @@ def _keep_connector_threads_on_their_cores() -> None:
         return
 
     @functools.wraps(init)
-    def init_keeping_cores(self, *args, **kwargs) -> None:  # noqa: ANN001
+    def init_placing_threads(self, *args, **kwargs) -> None:  # noqa: ANN001
         cores = os.sched_getaffinity(0)
         before = thread_ids()
         init(self, *args, **kwargs)
         os.sched_setaffinity(0, cores)
         free_threads(thread_ids() - before - python_thread_ids())  # NIXL's own (progress, UCX)
 
-    init_keeping_cores.keeps_cpu_affinity = True  # type: ignore[attr-defined]
-    NixlBaseConnectorWorker.__init__ = init_keeping_cores
+    init_placing_threads.keeps_cpu_affinity = True  # type: ignore[attr-defined]
+    NixlBaseConnectorWorker.__init__ = init_placing_threads
