@@ -26,7 +26,7 @@ from decode_worker.actor import DecodeActor
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from controller.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import start_local
+from cluster.ray_cluster import start_local
 from vllm_engine.config import EngineConfig
 
 

@@ -46,7 +46,7 @@ from bench.loadgen import (
     write_json,
 )
 from controller.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import start_local
+from cluster.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 

@@ -26,7 +26,7 @@ import httpx
 from router.client import build_request, stream_generate
 from controller.deployment import Deployment, DeploymentConfig
 from router.openai_http import HTTPServer, openai_front_for
-from router.ray_cluster import start_local
+from cluster.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 

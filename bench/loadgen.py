@@ -52,7 +52,7 @@ from messages.timings import SLO, ItlStat, LatencySummary, percentile
 from planner.trace import RequestSpec, parse_trace
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
-from router.cli import add_client_credential_args, client_credentials
+from cli.main import add_client_credential_args, client_credentials
 from router.client import build_request, stream_generate
 from router.security import ClientCredentials
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.loadgen import RunReport, add_load_args, load_config, percentile, sweep, write_json
 from controller.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import start_local
+from cluster.ray_cluster import start_local
 from router.server import RouterServer, admission_limits
 from vllm_engine.config import EngineConfig, resolve_model
 

@@ -73,7 +73,7 @@ def fitted_model(args: argparse.Namespace, workdir: Path) -> Path:
     if probe is None or not probe.exists():
         probe = probe or workdir / "probe.json"
         print(f"probing this machine (pdserve probe --out {probe}) ...", file=sys.stderr, flush=True)
-        subprocess.run([sys.executable, "-m", "planner.probe", "--out", str(probe)], check=True)
+        subprocess.run([sys.executable, "-m", "cli.probe", "--out", str(probe)], check=True)
     model = workdir / "model.json"
     from planner.model import load_probe
 
@@ -85,7 +85,7 @@ class _Served:
     def __init__(self, args: argparse.Namespace, model: Path | None, port: int) -> None:
         self.target = f"127.0.0.1:{port}"
         self.label = "planner" if model else "static"
-        command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill), "--decode", str(args.decode)]
+        command = [sys.executable, "-m", "cli.main", "serve", "--prefill", str(args.prefill), "--decode", str(args.decode)]
         command += ["--listen", self.target, "--metrics-port", "0", "--drain-timeout", "5"]
         if args.switch_roles:
             command += ["--switch-roles"]

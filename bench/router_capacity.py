@@ -183,7 +183,7 @@ class _Server:
             parts.append(f"{args.router_cpu:g} core each")
         self.label = ", ".join(p for p in parts if p)
         self.target = f"127.0.0.1:{_free_port()}"
-        command = [sys.executable, "-m", "router.cli", "serve", "--prefill", str(args.prefill), "--routers", str(routers)]
+        command = [sys.executable, "-m", "cli.main", "serve", "--prefill", str(args.prefill), "--routers", str(routers)]
         command += ["--decode", str(args.decode), "--listen", self.target, "--metrics-port", "0"]
         command += ["--max-num-seqs", str(max(16, args.streams))]
         self._sd_dir = tempfile.TemporaryDirectory(prefix="router-capacity-")

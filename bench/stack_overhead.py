@@ -25,7 +25,7 @@ from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from router.client import build_request, stream_generate
 from controller.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import start_local
+from cluster.ray_cluster import start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 

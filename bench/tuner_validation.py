@@ -2,7 +2,7 @@
 measurements, for the splits that fit here, with the prediction error reported.
 
 One run:
-1. probes this machine (planner.probe, reduced to the workload's prompt lengths and decode
+1. probes this machine (cli.probe, reduced to the workload's prompt lengths and decode
    batches 1..32 at the workload's context) and fits the performance model (planner.model);
    or fits a probe file given with --probe;
 2. for each split that fits on 2 cores, as bench.goodput_compare deploys them (1 prefill +
@@ -52,7 +52,7 @@ from vllm_engine.config import EngineConfig, resolve_model
 if TYPE_CHECKING:
     from bench.goodput_compare import System
 
-# The deployment side (bench.goodput_compare, planner.probe, Ray) imports vLLM and Ray: it is
+# The deployment side (bench.goodput_compare, cli.probe, Ray) imports vLLM and Ray: it is
 # imported in run() only, so the comparison above it stays importable in a fast unit test.
 
 TOLERANCE = 0.25  # issue 7: predictions within 25% of measurements
@@ -63,7 +63,7 @@ DEFAULT_RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0)
 
 # The default workload's prompts are 640-1440 tokens (mean ~1000), outputs 40-60: probe
 # prefill around those lengths and decode at that context, batches 1..32 (the deployments'
-# limit is 16; 32 lets the fit see past the knee if there is one). planner.probe.ProbeConfig's fields.
+# limit is 16; 32 lets the fit see past the knee if there is one). cli.probe.ProbeConfig's fields.
 VALIDATION_PROBE: dict[str, Any] = {
     "prompt_lengths": (512, 1024, 1536),
     "prefill_batches": (1, 2, 4),
@@ -276,8 +276,8 @@ def predict(model: PerformanceModel, placement: Placement, specs: Sequence[Reque
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from bench.goodput_compare import SYSTEMS, measure
-    from planner.probe import ProbeConfig, run_probe
-    from planner.probe import report as probe_report
+    from cli.probe import ProbeConfig, run_probe
+    from cli.probe import report as probe_report
 
     engine = EngineConfig()
     model_path = resolve_model(args.model)
@@ -287,7 +287,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         probe_data = probe_data.get("probe", probe_data)  # a probe file, or this script's JSON
         print(f"probe: {args.probe}", file=sys.stderr)
     else:
-        print("probing (reduced planner.probe) ...", file=sys.stderr)
+        print("probing (reduced cli.probe) ...", file=sys.stderr)
         probe = await run_probe(ProbeConfig(**VALIDATION_PROBE))
         print(probe_report(probe), file=sys.stderr)
         probe_data = asdict(probe)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     started = time.perf_counter()
     load_before = os.getloadavg()[1]
-    from router.ray_cluster import start_local
+    from cluster.ray_cluster import start_local
 
     start_local()
     result = asyncio.run(run(args))

@@ -142,7 +142,7 @@ def pdserve(
     tree: Path | None = None,
 ) -> _System:
     port = _free_port()
-    command = [sys.executable, "-m", "router.cli", "serve", "--model", model, "--prefill", str(prefill)]
+    command = [sys.executable, "-m", "cli.main", "serve", "--model", model, "--prefill", str(prefill)]
     command += ["--decode", str(decode), "--listen", f"127.0.0.1:{_free_port()}", "--metrics-port", "0"]
     command += ["--http", f"127.0.0.1:{port}", "--served-model-name", MODEL_NAME]
     command += ["--enforce-eager" if eager else "--no-enforce-eager", "--engine-path", engine_path, *flags.split()]

@@ -19,8 +19,8 @@ import ray
 from controller.deployment import Deployment, DeploymentConfig
 from controller.planning import PlannerSetup, PlanningLoop
 from messages.membership import ClusterView, MemberState, RouterReport
-from router.pools import Member
-from router.prometheus_targets import write_targets
+from cluster.pools import Member
+from cluster.prometheus_targets import write_targets
 
 log = logging.getLogger(__name__)
 

@@ -30,8 +30,8 @@ from messages.requests import ModelLimits
 from prefill_worker.actor import PrefillActor
 from controller.health import PoolHealth
 from router.orchestrator import Orchestrator, RouterPolicy
-from router.pools import Member, Pool
-from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
+from cluster.pools import Member, Pool
+from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ from typing import AsyncIterator
 
 from messages.requests import GenerateRequest, SamplingConfig
 from router import metrics
-from router.pools import Member, Pool
+from cluster.pools import Member, Pool
 
 log = logging.getLogger(__name__)
 

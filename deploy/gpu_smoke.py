@@ -20,7 +20,7 @@ import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from router.cli import DEFAULT_PROMPT, _add_cluster_args, _print_final, deployment_config_from_args
+from cli.main import DEFAULT_PROMPT, _add_cluster_args, _print_final, deployment_config_from_args
 
 if TYPE_CHECKING:
     from proto.pdserve.v1.generate_pb2 import Final
@@ -70,7 +70,7 @@ async def _smoke(args: argparse.Namespace) -> int:
     import ray
     from transformers import AutoTokenizer
 
-    from router import ray_cluster
+    from cluster import ray_cluster
     from controller.deployment import Deployment
     from router.server import RouterServer
     from vllm_engine.config import resolve_model

@@ -340,7 +340,7 @@ def _wait_for_pool_nodes(workers: int, deadline: float) -> dict[str, dict[str, i
     """Pool slots and GPUs per node address, once `workers` nodes offer a pool resource."""
     import ray
 
-    from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
+    from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 
     ray.init(address="auto", log_to_driver=False)
     try:

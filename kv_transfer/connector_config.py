@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
-from kv_transfer.vllm_plugin import PROGRESS_POLL_ENV
-from vllm_engine.config import HYBRID_TRANSFER_ENV
+from kv_transfer.layout import HYBRID_TRANSFER_ENV
+from kv_transfer.progress_thread import PROGRESS_POLL_ENV
 
 
 class Role(str, Enum):
@@ -55,7 +55,7 @@ class TransferConfig:
 
     def process_env(self) -> dict[str, str]:
         """Environment of every process of an engine with this transfer (read there by
-        kv_transfer.vllm_plugin and by UCX)."""
+        vllm_engine.vllm_plugin and by UCX)."""
         poll = self.nixl_progress_poll_us
         env = {PROGRESS_POLL_ENV: "none" if poll is None else str(poll)}
         if self.ucx_transports:

@@ -17,6 +17,13 @@ from typing import Any, Sequence
 from messages.reports import EngineCapacity
 from messages.transfer import TransferBytes
 
+# Set (to "1") in an engine's environment: decode updates read DS conv state in place
+# (vllm_engine.conv_state_update).
+DIM_FIRST_CONV_UPDATE_ENV = "PDSERVE_DIM_FIRST_CONV_UPDATE"
+# Required by NixlConnector for Mamba/Gated-DeltaNet state: conv state stored (dim, state)
+# so its sub-projections are contiguous and can be read with a few descriptors.
+HYBRID_TRANSFER_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", DIM_FIRST_CONV_UPDATE_ENV: "1"}
+
 
 class GroupKind(str, Enum):
     ATTENTION = "attention"

@@ -17,6 +17,9 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+# "none": no progress thread; "0": NIXL's spinning thread; N: asleep in poll(), N us at most.
+PROGRESS_POLL_ENV = "PDSERVE_NIXL_PROGRESS_POLL_US"
+
 
 def configure_nixl_progress_thread(poll_timeout_us: int | None) -> None:
     """None: no progress thread (the engine step drives transfers); 0: NIXL's spinning

@@ -15,7 +15,7 @@ class EngineLoad:
     engine_id: str = ""  # filled in by the worker that owns the engine
     metrics_address: str = ""  # the worker's Prometheus endpoint (changes when Ray restarts it)
     # Wall-clock time (time.time()) the worker measured this: routers count their own requests
-    # started or finished after it on top (router.pools.Member.estimated_requests).
+    # started or finished after it on top (cluster.pools.Member.estimated_requests).
     measured_at: float = 0.0
 
 

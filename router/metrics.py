@@ -12,7 +12,7 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from router.pools import Pool
+from cluster.pools import Pool
 
 PROMPT_BUCKETS = ((128, "0-127"), (512, "128-511"), (2048, "512-2047"), (8192, "2048-8191"))
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

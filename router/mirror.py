@@ -11,7 +11,7 @@ from typing import Any
 from messages.membership import ClusterView
 from router import metrics
 from router.journal import RequestJournal
-from router.pools import Pool
+from cluster.pools import Pool
 
 log = logging.getLogger(__name__)
 

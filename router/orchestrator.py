@@ -32,7 +32,7 @@ from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
 from router.journal import RequestJournal
-from router.pools import Member, Pool
+from cluster.pools import Member, Pool
 
 log = logging.getLogger(__name__)
 

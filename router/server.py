@@ -22,7 +22,7 @@ from router.admission import AdmissionController, AdmissionLimits
 from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
 from router.orchestrator import Orchestrator
-from router.prometheus_targets import write_targets
+from cluster.prometheus_targets import write_targets
 from router.security import AuthInterceptor, ServerTLS, TokenTable
 
 log = logging.getLogger(__name__)

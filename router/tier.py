@@ -17,7 +17,7 @@ from typing import Any
 import ray
 
 from router.actor import RouterActor, RouterAddresses, RouterSettings
-from router.ray_cluster import ROUTER_RESOURCE
+from cluster.ray_cluster import ROUTER_RESOURCE
 
 log = logging.getLogger(__name__)
 

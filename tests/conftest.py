@@ -22,7 +22,7 @@ def model_path() -> str:
 def ray_cluster() -> Any:
     import ray
 
-    from router.ray_cluster import start_local
+    from cluster.ray_cluster import start_local
 
     start_local()
     yield ray

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
+from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy"
 CONFIGS = sorted(DEPLOY.glob("*.yaml"))
@@ -218,7 +218,7 @@ def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str], l
     (cmd,) = started
     assert cmd[1] == "serve"
 
-    from router import cli
+    from cli import main as cli
 
     parsed = []
 

@@ -27,7 +27,7 @@ import yaml
 from certificates import write_certificates
 from conftest import wait_until
 
-from router.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
+from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"

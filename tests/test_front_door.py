@@ -105,7 +105,7 @@ def test_health_needs_no_token(door):
 
 
 def test_pdserve_generate_speaks_tls_and_tokens(door, certs, tmp_path, capsys):
-    from router.cli import main
+    from cli.main import main
 
     token_file = tmp_path / "token"
     token_file.write_text(GENERATE_TOKEN + "\n")

@@ -189,7 +189,7 @@ def test_prometheus_target_file_lists_every_worker_endpoint(stack, tmp_path):
     """What `--prometheus-sd-file` keeps current: every target answers with worker metrics."""
     import json
 
-    from router.prometheus_targets import write_targets
+    from cluster.prometheus_targets import write_targets
 
     dep = stack.dep
     path = tmp_path / "workers.json"

@@ -1,7 +1,72 @@
-"""Layering: which packages a module pulls in, checked in a fresh interpreter."""
+"""Layering: packages import only the layers below them, and no module pulls in more than it needs."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Top to bottom; a package may import packages of lower layers only (docs/architecture.md).
+LAYERS: list[tuple[str, ...]] = [
+    ("deploy",),  # cluster launch and the GPU smoke test, on top of the command line
+    ("cli",),  # entry points: bring up, drive and measure a deployment
+    ("controller",),  # owns the pools: engine lifecycle, health, resize, the planner loop
+    ("router",),  # the request path: front doors, admission, picking, orchestration
+    ("planner",),  # performance model, simulator, search, closed loop (no I/O)
+    ("cluster",),  # Ray bootstrap, pool membership, Prometheus discovery
+    ("decode_worker",),
+    ("prefill_worker",),
+    ("vllm_engine",),  # how an engine is built and driven per device, sizing
+    ("kv_transfer",),  # connector configuration, state layout, transfer accounting
+    ("messages", "proto"),  # what crosses a process boundary
+]
+LAYER_OF = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
+
+
+def imported_packages(package: str) -> dict[str, set[str]]:
+    """Product packages each module of `package` imports (any import statement, lazy ones too)."""
+    found: dict[str, set[str]] = {}
+    for path in sorted((ROOT / package).rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in LAYER_OF and top != package:
+                    found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_every_product_package_has_a_layer():
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")} | {"controller", "deploy"}
+    assert packages - {"tests", "bench"} == set(LAYER_OF), "add the new package to LAYERS"
+
+
+def test_no_package_imports_its_own_layer_or_one_above():
+    """Fails on any upward or sideways import, hence on any circle between packages."""
+    wrong = [
+        f"{module} ({LAYER_OF[package]}) imports {target} ({LAYER_OF[target]})"
+        for package in LAYER_OF
+        for target, modules in imported_packages(package).items()
+        if LAYER_OF[target] <= LAYER_OF[package]
+        for module in sorted(modules)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_check_catches_an_upward_import(tmp_path, monkeypatch):
+    """Negative control: a module of kv_transfer importing router is reported."""
+    fake = tmp_path / "kv_transfer"
+    fake.mkdir()
+    (fake / "bad.py").write_text("def f():\n    from router.server import RouterServer\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert imported_packages("kv_transfer") == {"router": {"kv_transfer/bad.py"}}
 
 
 def packages_loaded_by(modules: str) -> set[str]:
@@ -13,7 +78,7 @@ def packages_loaded_by(modules: str) -> set[str]:
 
 def test_product_packages_never_import_bench():
     """Benchmarks depend on the product, never the other way round."""
-    product = "router.cli, router.server, planner.cli, planner.probe, planner.trace, vllm_engine.plan_cli"
+    product = "cli.main, router.server, planner.cli, cli.probe, planner.trace, vllm_engine.plan_cli"
     assert "bench" not in packages_loaded_by(product)
 
 

@@ -13,7 +13,7 @@ from ray.exceptions import ActorDiedError
 
 from messages.errors import NoWorkerError
 from messages.reports import EngineLoad
-from router.pools import Member, Pool
+from cluster.pools import Member, Pool
 
 LOAD = EngineLoad(running=0, waiting=0, held_for_transfer=0, free_blocks=10, total_blocks=10, engine_id="e1")
 

@@ -5,7 +5,7 @@ from dataclasses import asdict
 
 from conftest import run
 
-from planner.probe import ProbeConfig, ProbeResult, run_probe
+from cli.probe import ProbeConfig, ProbeResult, run_probe
 
 
 def test_knee_is_where_decode_throughput_stops_scaling():

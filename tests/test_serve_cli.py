@@ -30,7 +30,7 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
 
     grpc_port, http_port = _free_port(), _free_port()
     log = tmp_path / "serve.log"
-    command = [sys.executable, "-m", "router.cli", "serve", "--model", model_path, "--prefill", "0", "--decode", "1"]
+    command = [sys.executable, "-m", "cli.main", "serve", "--model", model_path, "--prefill", "0", "--decode", "1"]
     command += ["--routers", "2", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}"]
     command += ["--metrics-port", "0", "--drain-timeout", "5"]
     with open(log, "w") as out:
@@ -71,7 +71,7 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
 
 
 def test_serve_refuses_role_switching_with_per_pool_engine_settings_before_any_cluster(capsys, model_path):
-    from router.cli import main
+    from cli.main import main
 
     assert main(["serve", "--model", model_path, "--switch-roles", "--decode-max-num-seqs", "64"]) == 2
     assert "both pools run one engine configuration" in capsys.readouterr().err

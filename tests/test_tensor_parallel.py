@@ -30,7 +30,7 @@ def _deployment_from_flags(model_path: str, *flags: str) -> DeploymentConfig:
     """The DeploymentConfig `pdserve serve` builds from these flags."""
     import argparse
 
-    from router.cli import _add_cluster_args, deployment_config_from_args
+    from cli.main import _add_cluster_args, deployment_config_from_args
 
     parser = argparse.ArgumentParser()
     _add_cluster_args(parser)

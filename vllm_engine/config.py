@@ -11,15 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from vllm_engine.conv_state_update import DIM_FIRST_CONV_UPDATE_ENV
+from kv_transfer.layout import HYBRID_TRANSFER_ENV
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import EngineArgs
-
-# Required by NixlConnector for Mamba/Gated-DeltaNet state: conv state stored (dim, state)
-# so its sub-projections are contiguous and can be read with a few descriptors. On CPU the
-# decode step then reads that layout in place (vllm_engine.conv_state_update).
-HYBRID_TRANSFER_ENV = {"VLLM_SSM_CONV_STATE_LAYOUT": "DS", DIM_FIRST_CONV_UPDATE_ENV: "1"}
 
 EMBEDDED_MODEL = "embedded"
 # vLLM's CPU default tries to reserve ~92% of RAM: CPU engines always get an explicit size.

@@ -16,7 +16,7 @@ new state is bit-identical to the staged path's and the output within bf16 round
 an engine decodes the same tokens with either. Prefill (`causal_conv1d_fwd_cpu`) keeps vLLM's
 staging: it runs once per prompt chunk, not per token.
 
-Installed by pdserve's vLLM plugin (kv_transfer.vllm_plugin) in processes that set
+Installed by pdserve's vLLM plugin (vllm_engine.vllm_plugin) in processes that set
 DIM_FIRST_CONV_UPDATE_ENV, so every TP rank gets it; vLLM's own path is used for anything
 else (speculative decoding, no unpacked weight, state-first layout).
 """
@@ -25,9 +25,6 @@ from __future__ import annotations
 
 import functools
 from typing import Any
-
-# Set (to "1") in an engine's environment: decode updates read DS conv state in place.
-DIM_FIRST_CONV_UPDATE_ENV = "PDSERVE_DIM_FIRST_CONV_UPDATE"
 
 
 def install() -> None:

@@ -82,6 +82,6 @@ def prepare_process(config: EngineConfig, env: dict[str, str] | None) -> None:
     """Environment first (vLLM reads it when the engine is created), then pdserve's vLLM
     plugin for this process; vLLM runs it itself in every process it spawns."""
     os.environ.update({**config.process_env(), **(env or {})})
-    from kv_transfer.vllm_plugin import register
+    from vllm_engine.vllm_plugin import register
 
     register()

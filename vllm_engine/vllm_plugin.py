@@ -21,12 +21,11 @@ from __future__ import annotations
 import functools
 import os
 
-# "none": no progress thread; "0": NIXL's spinning thread; N: asleep in poll(), N us at most.
-PROGRESS_POLL_ENV = "PDSERVE_NIXL_PROGRESS_POLL_US"
+from kv_transfer.progress_thread import PROGRESS_POLL_ENV
 
 
 def register() -> None:
-    from vllm_engine.conv_state_update import DIM_FIRST_CONV_UPDATE_ENV
+    from kv_transfer.layout import DIM_FIRST_CONV_UPDATE_ENV
     from vllm_engine.cpu_affinity import remember_process_cores
 
     remember_process_cores()  # before vLLM binds this process's threads to the engine's cores

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from router.pools import Pool
+from cluster.pools import Pool
 
 
 def targets(pools: Iterable[Pool], others: Mapping[str, tuple[str, str]] | None = None) -> list[dict]:

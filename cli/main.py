@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return plan_main(rest)
     if args.command == "probe":
-        from planner.probe import main as probe_main
+        from cli.probe import main as probe_main
 
         return probe_main(rest)
     if args.command == "tune":
@@ -232,7 +232,7 @@ async def _bring_up(
 ) -> _Stack:
     from transformers import AutoTokenizer
 
-    from router import ray_cluster
+    from cluster import ray_cluster
     from controller.deployment import Deployment
     from router.server import RouterServer
     from vllm_engine.config import resolve_model
@@ -282,7 +282,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
     from controller.actor import CONTROLLER_NAME, controller_for
     from controller.deployment import check_sizing
-    from router import ray_cluster
+    from cluster import ray_cluster
     from router.actor import RouterSettings
     from router.tier import RouterTier
 

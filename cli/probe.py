@@ -8,7 +8,7 @@ from requests sent through gRPC to a real prefill -> NIXL -> decode pair. Prints
 prefill/decode throughput ratio and the knee, and writes the probe JSON the ratio tuner fits
 its performance model to.
 
-    pdserve probe [--out bench/results/probe.json]     (or python -m planner.probe)
+    pdserve probe [--out bench/results/probe.json]     (or python -m cli.probe)
     pdserve probe --address HEAD:6379 --device cuda --prefill-tp 4 --decode-tp 4
 
 On a cluster (`--address`) the engines are placed like `pdserve serve` places them, by the
@@ -38,7 +38,7 @@ from messages.requests import GenerateRequest, SamplingConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
 from controller.deployment import Deployment, DeploymentConfig
-from router.ray_cluster import join, start_local
+from cluster.ray_cluster import join, start_local
 from router.server import RouterServer
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 

@@ -1,0 +1,1 @@
+"""The Ray cluster and the engine pools in it: bootstrap, pool membership, Prometheus discovery."""
