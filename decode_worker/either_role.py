@@ -9,22 +9,12 @@ deployment changes its split (controller/deployment.py).
 
 from __future__ import annotations
 
-import ray
-
 from decode_worker.worker import DecodeWorker
-from kv_transfer.connector_config import Role, TransferConfig, pick_side_channel
-from kv_transfer.metrics import serve_metrics
-from prefill_worker.worker import PrefillDuty
-from vllm_engine.config import EngineConfig
-from vllm_engine.engine import exit_for_restart
+from kv_transfer.connector_config import Role
+from prefill_worker.worker import PrefillWorker
+from vllm_engine.worker_base import InRayActor, worker_actor
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class EitherRoleActor(PrefillDuty, DecodeWorker):
-    def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig) -> None:
-        node_ip = ray.util.get_node_ip_address()
-        channel = pick_side_channel(node_ip)
-        super().__init__(
-            name, engine_config, transfer, channel, on_fatal=exit_for_restart, role=Role.EITHER, feed_host=node_ip
-        )
-        self._metrics_address = serve_metrics(node_ip)
+@worker_actor
+class EitherRoleActor(InRayActor, PrefillWorker, DecodeWorker):
+    connector_role = Role.EITHER

@@ -100,7 +100,7 @@ class PrefillResult:
     handle: TransferHandle
     prefill_s: float  # from arrival at this worker to the blocks being ready
     # The request's first output token, sampled by prefill over the whole prompt; None where
-    # decode computes it (prefill_worker/worker.py says when). Its finish_reason is set when
+    # decode computes it (kv_transfer/producer.py says when). Its finish_reason is set when
     # that token ends the request: then nothing is decoded and the handle is released.
     first: TokenChunk | None = None
 

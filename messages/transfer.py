@@ -30,7 +30,7 @@ class TransferHandle:
     # per DeltaNet group, then the attention blocks.
     block_ids: tuple[tuple[int, ...], ...]
     # Prompt tokens whose state the blocks hold: all N where prefill sampled the first
-    # token, N-1 on hybrids where decode computes it (prefill_worker/worker.py).
+    # token, N-1 on hybrids where decode computes it (kv_transfer/producer.py).
     num_tokens: int
     lease_expires_at: float  # wall-clock time after which the producer may free the blocks
     bytes: TransferBytes

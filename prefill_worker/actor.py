@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-import ray
-
-from kv_transfer.connector_config import TransferConfig, pick_side_channel
-from kv_transfer.metrics import serve_metrics
 from prefill_worker.worker import PrefillWorker
-from vllm_engine.config import EngineConfig
-from vllm_engine.engine import exit_for_restart
+from vllm_engine.worker_base import InRayActor, worker_actor
 
 
-@ray.remote(num_cpus=0, max_concurrency=1000)
-class PrefillActor(PrefillWorker):
-    def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig) -> None:
-        channel = pick_side_channel(ray.util.get_node_ip_address())
-        super().__init__(name, engine_config, transfer, channel, on_fatal=exit_for_restart)
-        self._metrics_address = serve_metrics(ray.util.get_node_ip_address())
+@worker_actor
+class PrefillActor(InRayActor, PrefillWorker):
+    pass

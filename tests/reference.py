@@ -77,7 +77,7 @@ TP2_PROMPTS = _Prompts("y_tp2")
 
 
 # A stop string the corpus never holds: with it, prefill leaves the first token to decode
-# (prefill_worker/worker.py) and the output is unchanged.
+# (kv_transfer/producer.py) and the output is unchanged.
 UNMATCHED_STOP = ("\u00a7\u00a7",)
 
 

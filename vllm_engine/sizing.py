@@ -245,7 +245,7 @@ class EnginePlan:
     @property
     def transfer_tokens(self) -> int:
         # Prefill computes the whole prompt, having sampled the first token (requests with
-        # stop strings on hybrids hold one token fewer: prefill_worker/worker.py); whole
+        # stop strings on hybrids hold one token fewer: kv_transfer/producer.py); whole
         # blocks move.
         return math.ceil(self.inputs.prompt_tokens / self.block_size) * self.block_size
 

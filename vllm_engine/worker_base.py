@@ -5,31 +5,60 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
+import ray
+
+from kv_transfer.connector import Connector
+from kv_transfer.connector_config import Role, TransferConfig
+from kv_transfer.consumer import TransferConsumer
 from kv_transfer.layout import StateLayout
+from kv_transfer.metrics import serve_metrics
+from kv_transfer.producer import TransferProducer
 from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import Engine, start_engine
+from vllm_engine.engine import Engine, exit_for_restart, start_engine
 
 
 class EngineWorker:
+    connector_role: ClassVar[Role]  # what a worker of this kind runs when it has a transfer
     engine_id: str  # NIXL identity; a restarted worker gets a new one
     _engine: Engine
     _config: EngineConfig
+    _producer: TransferProducer | None
+    _consumer: TransferConsumer | None
     _metrics_address: str = ""
 
-    def _start_engine(
+    def __init__(
         self,
-        config: EngineConfig,
-        kv_transfer_config: Any = None,
-        env: dict[str, str] | None = None,
+        name: str,
+        engine_config: EngineConfig,
+        transfer: TransferConfig | None,
+        host: str = "127.0.0.1",
         on_fatal: Callable[[BaseException], None] | None = None,
-        stat_loggers: list[Any] | None = None,
     ) -> None:
-        self._config = config
-        self._engine = start_engine(config, kv_transfer_config, env, on_fatal, stat_loggers)
+        """`transfer=None`: a colocated engine, without a connector. `host`: the worker's
+        node address, where its NIXL side channel listens."""
+        self.name = name
+        self._config = engine_config
+        if transfer is None:
+            if self.connector_role is not Role.DECODE:
+                raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
+            self.engine_id = f"colocated-{name}"
+            self._engine = start_engine(engine_config, on_fatal=on_fatal)
+            self._producer = self._consumer = None
+        else:
+            connector = Connector.for_worker(self.connector_role, name, transfer, host)
+            self.engine_id = connector.engine_id
+            self._engine = start_engine(
+                engine_config,
+                connector.kv_transfer_config(),
+                connector.process_env(),
+                on_fatal,
+                connector.stat_loggers(),
+            )
+            self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
 
     def ready(self) -> str:
@@ -66,3 +95,18 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+class InRayActor(EngineWorker):
+    """Put first in a Ray actor's bases: the worker on its node's address, exiting for Ray
+    to restart it when its engine fails, with its metrics exported."""
+
+    def __init__(self, name: str, engine_config: EngineConfig, transfer: TransferConfig | None) -> None:
+        node_ip = ray.util.get_node_ip_address()
+        super().__init__(name, engine_config, transfer, node_ip, exit_for_restart)
+        self._metrics_address = serve_metrics(node_ip)
+
+
+def worker_actor(cls: type) -> Any:
+    """`cls` as the Ray actor class every worker role is deployed as."""
+    return ray.remote(num_cpus=0, max_concurrency=1000)(cls)
