@@ -52,7 +52,8 @@ from messages.timings import SLO, ItlStat, LatencySummary, percentile
 from planner.trace import RequestSpec, parse_trace
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
-from cli.main import add_client_credential_args, client_credentials
+from configuration.flags import add_flags, build
+from router.security import ClientCredentials
 from router.client import build_request, stream_generate
 from router.security import ClientCredentials
 
@@ -452,10 +453,10 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--rate", type=float, nargs="+", help="Poisson arrival rate(s), req/s; several: a sweep")
     source.add_argument("--trace", type=Path, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
     add_load_args(parser, num_requests=100, time_limit_s=120.0, out=Path("bench/results/loadgen.json"))
-    add_client_credential_args(parser)
+    add_flags(parser, ClientCredentials)
     args = parser.parse_args(argv)
     config = load_config(args)
-    credentials = client_credentials(args)
+    credentials = build(ClientCredentials, args)
     if args.trace:
         specs = parse_trace(args.trace.read_text().splitlines())
         reports = [asyncio.run(replay(args.target, specs, config, credentials))]

@@ -11,79 +11,32 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 if TYPE_CHECKING:
+    from cli.config import DemoConfig, ServeConfig
     from controller.deployment import DeploymentConfig
     from router.security import ClientCredentials
-    from router.server import FrontDoorConfig
-    from controller.planning import PlannerSetup
     from router.tier import RouterTier
 
 T = TypeVar("T")
 
-# A sentence of the embedded model's corpus: the model continues it with the corpus's text.
-DEFAULT_PROMPT = "Prefill processes the prompt and creates state; decode consumes that state one token at a time."
-
 
 def main(argv: list[str] | None = None) -> int:
+    from cli.config import COMMANDS, DEFAULT_PROMPT
+    from configuration.flags import add_flags, build
+
     parser = argparse.ArgumentParser(prog="pdserve", description="Disaggregated prefill/decode serving")
     sub = parser.add_subparsers(dest="command", required=True)
-
-    demo = sub.add_parser("demo", help="local cluster (1 prefill + 1 decode), one generation streamed through gRPC")
-    _add_cluster_args(demo)
-    demo.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    demo.add_argument("--max-tokens", type=int, default=48)
-
-    serve = sub.add_parser(
-        "serve", help="start or join a Ray cluster, bring up the pools under a controller, serve gRPC from N routers"
-    )
-    _add_cluster_args(serve)
-    serve.add_argument("--prefill", type=int, default=1, help="prefill actors (0: colocated serving)")
-    serve.add_argument("--decode", type=int, default=1, help="decode actors")
-    serve.add_argument(
-        "--switch-roles", action="store_true",
-        help="every engine runs both NIXL roles: a resize or the planner moves engines between the pools "
-        "(drain, relabel) instead of restarting them; both pools then share one engine configuration",
-    )
-    serve.add_argument(
-        "--routers", type=int, default=1, help="router processes (Ray actors, spread over nodes; on one host they share the port)"
-    )
-    serve.add_argument("--listen", default="127.0.0.1:50051", help="gRPC address to listen on")
-    serve.add_argument("--metrics-port", type=int, default=9400, help="router Prometheus port; router i: port + i (0: off)")
-    serve.add_argument("--metrics-host", default="127.0.0.1", help="address the metrics endpoints bind")
-    serve.add_argument(
-        "--prometheus-sd-file", help="keep a Prometheus file_sd target file of the workers' and routers' metrics endpoints here"
-    )
-    plan = serve.add_argument_group("closed-loop planner (changes the split as the traffic shifts)")
-    plan.add_argument("--planner", action="store_true", help="re-plan the prefill:decode split every --interval")
-    plan.add_argument("--planner-model", help="performance model fitted on this hardware (`pdserve tune --save-model`)")
-    plan.add_argument(
-        "--gpu-budget", type=int, help="GPUs (CPU: engine core sets) the split may use (default: the engines started)"
-    )
-    plan.add_argument("--interval", type=float, default=60.0, help="seconds between two decisions")
-    plan.add_argument("--cooldown", type=float, default=180.0, help="least seconds between two split changes")
-    plan.add_argument("--ttft-slo", type=float, default=2.0, help="seconds, for 90%% of requests")
-    plan.add_argument("--itl-slo", type=float, default=0.1, help="a request's mean inter-token seconds, for 90%%")
-    serve.add_argument("--http", metavar="HOST:PORT", help="also serve the OpenAI-compatible HTTP API here")
-    serve.add_argument("--served-model-name", help="model id for the HTTP API (default: --model)")
-    door = serve.add_argument_group("front door")
-    door.add_argument("--tls-cert", help="PEM certificate chain: serve TLS (with --tls-key)")
-    door.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    door.add_argument("--tls-client-ca", help="PEM roots: require client certificates signed by them (mutual TLS)")
-    door.add_argument(
-        "--tokens-file", help="ROLE:TOKEN lines (roles generate, admin); default: $PDSERVE_TOKENS, else no auth"
-    )
-    door.add_argument("--max-in-flight", type=int, help="requests admitted at once (default: decode batch capacity)")
-    door.add_argument("--max-queue", type=int, help="requests waiting for a slot (default: as many as in flight)")
-    door.add_argument("--max-engines-per-pool", type=int, default=64, help="Admin.ScalePools refuses more")
-    door.add_argument("--drain-timeout", type=float, default=30.0, help="seconds live streams get to finish on SIGTERM")
-
-    gen = sub.add_parser("generate", help="stream a generation from a running server")
-    gen.add_argument("prompt")
-    gen.add_argument("--target", default="127.0.0.1:50051")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
-    add_client_credential_args(gen)
-
+    helps = {
+        "demo": "local cluster (1 prefill + 1 decode), one generation streamed through gRPC",
+        "serve": "start or join a Ray cluster, bring up the pools under a controller, serve gRPC from N routers",
+        "generate": "stream a generation from a running server",
+    }
+    for command, (tree, skip) in COMMANDS.items():
+        command_parser = sub.add_parser(command, help=helps[command])
+        if command == "demo":
+            command_parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+        if command == "generate":
+            command_parser.add_argument("prompt")
+        add_flags(command_parser, tree, skip)
     # Measurement and sizing tools keep their own argument parsers.
     sub.add_parser("plan", help="size engines from a model's config.json (weights, KV, state, blocks)", add_help=False)
     sub.add_parser("probe", help="measure prefill and decode throughput apart on this hardware", add_help=False)
@@ -104,115 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         return tune_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    command, prompt = args.command, getattr(args, "prompt", None)
+    del args.command
+    if prompt is not None:
+        del args.prompt
     try:
-        if args.command == "demo":
-            return asyncio.run(_demo(args))
-        if args.command == "serve":
-            return asyncio.run(_serve(args))
-        credentials = client_credentials(args)
+        config = build(COMMANDS[command][0], args)
+        if command == "demo":
+            return asyncio.run(_demo(config, prompt))
+        if command == "serve":
+            return asyncio.run(_serve(config))
     except (ValueError, RuntimeError, OSError) as err:  # a configuration that cannot run: say why, no traceback
-        print(f"pdserve {args.command}: {err}", file=sys.stderr)
+        print(f"pdserve {command}: {err}", file=sys.stderr)
         return 2
     return asyncio.run(
         _generate(
-            args.target, args.prompt, args.timeout, credentials, max_tokens=args.max_tokens, temperature=args.temperature
+            config.target,
+            prompt,
+            config.timeout_s,
+            config.credentials,
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
         )
-    )
-
-
-def add_client_credential_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--tls-ca", help="PEM roots to verify the server with (turns TLS on)")
-    parser.add_argument("--tls-cert", help="client certificate, for servers that require mutual TLS")
-    parser.add_argument("--tls-key", help="private key of --tls-cert")
-    parser.add_argument("--token-file", help="file holding the bearer token (default: $PDSERVE_TOKEN)")
-
-
-def client_credentials(args: argparse.Namespace) -> "ClientCredentials":
-    from router.security import ClientCredentials
-
-    return ClientCredentials.from_env(args.tls_ca, args.tls_cert, args.tls_key, args.token_file)
-
-
-def front_door_config(args: argparse.Namespace) -> "FrontDoorConfig":
-    from router.security import ServerTLS, TokenTable
-    from router.server import FrontDoorConfig
-
-    if bool(args.tls_cert) != bool(args.tls_key):
-        raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_client_ca and not args.tls_cert:
-        raise ValueError("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
-    return FrontDoorConfig(
-        tls=ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca) if args.tls_cert else None,
-        tokens=TokenTable.load(args.tokens_file),
-        max_in_flight=args.max_in_flight,
-        max_queue=args.max_queue,
-        max_pool_size=args.max_engines_per_pool,
-        prometheus_sd_file=args.prometheus_sd_file,
-    )
-
-
-# Engine sizing flags: `--X` sets both pools, `--prefill-X` / `--decode-X` one pool.
-_SIZING_FLAGS = {
-    "max_num_seqs": (int, "batch limit per engine (decode: concurrent streams)"),
-    "max_num_batched_tokens": (int, "tokens per engine step (prefill: the prompt token budget)"),
-    "kv_cache_bytes": ("bytes", "KV cache per rank, e.g. 4GiB (CPU default 256MiB; GPU default from --gpu-memory-utilization)"),
-    "gpu_memory_utilization": (float, "fraction of each GPU vLLM may use (default 0.9)"),
-}
-
-
-def _add_cluster_args(parser: argparse.ArgumentParser) -> None:
-    from vllm_engine.plan_cli import parse_bytes
-
-    parser.add_argument("--model", default="embedded", help="HF model directory (default: embedded tiny Qwen3.5 hybrid)")
-    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where engines and KV buffers live")
-    parser.add_argument("--lease", type=int, default=30, help="seconds prefill holds blocks for decode to read")
-    engine = parser.add_argument_group("engines (see `pdserve plan` for what a setting holds)")
-    engine.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel GPUs (CPU: core sets) per prefill engine")
-    engine.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel GPUs (CPU: core sets) per decode engine")
-    engine.add_argument("--max-model-len", type=int, default=8192, help="longest prompt + output an engine accepts")
-    engine.add_argument(
-        "--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-        help="no compiled model: GPU default off (torch.compile + CUDA graphs), CPU default on "
-        "(--no-enforce-eager compiles on CPU too: ~15 s more start-up per engine, faster steps)",
-    )
-    engine.add_argument(
-        "--engine-path", choices=["auto", "inprocess", "async"], default="auto",
-        help="auto: vLLM's AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU",
-    )
-    for name, (kind, text) in _SIZING_FLAGS.items():
-        flag, convert = name.replace("_", "-"), parse_bytes if kind == "bytes" else kind
-        engine.add_argument(f"--{flag}", type=convert, default=None, help=text)
-        for role in ("prefill", "decode"):
-            engine.add_argument(f"--{role}-{flag}", type=convert, default=None, help=argparse.SUPPRESS)
-
-
-def deployment_config_from_args(args: argparse.Namespace, num_prefill: int, num_decode: int) -> "DeploymentConfig":
-    from dataclasses import replace
-
-    from kv_transfer.connector_config import TransferConfig
-    from controller.deployment import DeploymentConfig
-    from vllm_engine.config import EngineConfig, EngineSizing
-
-    def sizing(role: str) -> EngineSizing:
-        values = {name: getattr(args, f"{role}_{name}") for name in _SIZING_FLAGS}
-        return EngineSizing(tensor_parallel_size=getattr(args, f"{role}_tp"), **values)
-
-    shared = {name: getattr(args, name) for name in _SIZING_FLAGS if getattr(args, name) is not None}
-    engine = replace(
-        EngineConfig(model=args.model, device=args.device, max_model_len=args.max_model_len, engine_path=args.engine_path),
-        enforce_eager=args.enforce_eager,
-        **shared,
-    )
-    return DeploymentConfig(
-        # Unresolved: "embedded" is built on each node, so nodes need no shared filesystem.
-        engine=engine,
-        transfer=TransferConfig(kv_buffer_device=args.device, lease_s=args.lease),
-        num_prefill=num_prefill,
-        num_decode=num_decode,
-        prefill_sizing=sizing("prefill"),
-        decode_sizing=sizing("decode"),
-        switch_roles=getattr(args, "switch_roles", False),  # `serve` only
     )
 
 
@@ -227,9 +93,7 @@ class _Stack:
         self.deployment.shutdown()  # type: ignore[attr-defined]
 
 
-async def _bring_up(
-    args: argparse.Namespace, num_prefill: int, num_decode: int, listen: str, front: "FrontDoorConfig | None" = None
-) -> _Stack:
+async def _bring_up(config: "DemoConfig", listen: str) -> _Stack:
     from transformers import AutoTokenizer
 
     from cluster import ray_cluster
@@ -237,22 +101,17 @@ async def _bring_up(
     from router.server import RouterServer
     from vllm_engine.config import resolve_model
 
-    config = deployment_config_from_args(args, num_prefill, num_decode)  # refuses bad TP pairings
-    front_kwargs = {"front": front} if front else {}
-    model = resolve_model(args.model)
+    deployment_config = config.deployment
+    model = resolve_model(deployment_config.engine.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    if args.address:
-        ray_cluster.join(args.address)
-    else:
-        ray_cluster.start_local()
-    deployment = Deployment(config)
-    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
-    print(f"model {model}: starting {num_prefill} prefill + {num_decode} decode engines ({tps})...", file=sys.stderr)
+    _join_or_start(ray_cluster, config.address)
+    deployment = Deployment(deployment_config)
+    print(f"model {model}: starting {_pools(deployment_config)}...", file=sys.stderr)
     try:
         orchestrator = await deployment.start()
         for name, capacity in deployment.capacities.items():
             print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, listen, scale=deployment.resize, **front_kwargs)
+        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, listen, scale=deployment.resize)
         await server.start()
     except BaseException:
         deployment.shutdown()
@@ -261,8 +120,20 @@ async def _bring_up(
     return _Stack(deployment, server, tokenizer)
 
 
-async def _demo(args: argparse.Namespace) -> int:
-    stack = await _bring_up(args, 1, 1, "127.0.0.1:0")
+def _join_or_start(ray_cluster: Any, address: str | None) -> None:
+    if address:
+        ray_cluster.join(address)
+    else:
+        ray_cluster.start_local()
+
+
+def _pools(config: "DeploymentConfig") -> str:
+    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
+    return f"{config.num_prefill} prefill + {config.num_decode} decode engines ({tps})"
+
+
+async def _demo(config: "DemoConfig", prompt: str) -> int:
+    stack = await _bring_up(config, "127.0.0.1:0")
     try:
         target = stack.server.address  # type: ignore[attr-defined]
         # Warm-up: the first request pays the one-time NIXL handshake between the pair.
@@ -270,36 +141,31 @@ async def _demo(args: argparse.Namespace) -> int:
 
         local = ClientCredentials()  # the demo's own loopback server: no TLS, no tokens
         await _generate(target, "warm up", None, local, quiet=True, max_tokens=2)
-        print(f"\n{args.prompt}", end="", flush=True)
-        return await _generate(target, args.prompt, None, local, max_tokens=args.max_tokens, ignore_eos=True)
+        print(f"\n{prompt}", end="", flush=True)
+        return await _generate(target, prompt, None, local, max_tokens=config.max_tokens, ignore_eos=True)
     finally:
         await stack.close()
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(config: "ServeConfig") -> int:
     """A detached controller owns the pools; `--routers` router actors serve in front of it."""
     import dataclasses
 
+    from cluster import ray_cluster
     from controller.actor import CONTROLLER_NAME, controller_for
     from controller.deployment import check_sizing
-    from cluster import ray_cluster
-    from router.actor import RouterSettings
     from router.tier import RouterTier
 
-    front = front_door_config(args)  # before any engine starts: a bad TLS or token file fails fast
-    config = deployment_config_from_args(args, args.prefill, args.decode)  # refuses bad TP pairings
-    check_sizing(config)
-    if args.routers < 1:
-        raise ValueError(f"--routers {args.routers}: at least one router must take traffic")
-    if args.address:
-        ray_cluster.join(args.address)
-    else:
-        ray_cluster.start_local()
-    planner = planner_setup(args, config) if args.planner else None
-    controller, created = controller_for(config, CONTROLLER_NAME, args.prometheus_sd_file, planner)
-    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
+    deployment, router = config.deployment, config.router
+    front = router.front
+    check_sizing(deployment)
+    _join_or_start(ray_cluster, config.address)
+    planner = config.planner.setup(
+        deployment.role_engine("prefill"), deployment.role_engine("decode"), deployment.num_prefill + deployment.num_decode
+    )
+    controller, created = controller_for(deployment, CONTROLLER_NAME, front.prometheus_sd_file, planner)
     if created:
-        print(f"model {args.model}: starting {args.prefill} prefill + {args.decode} decode engines ({tps})...", file=sys.stderr)
+        print(f"model {deployment.engine.model}: starting {_pools(deployment)}...", file=sys.stderr)
     else:
         print(f"a controller already runs on this cluster ({CONTROLLER_NAME}): serving its pools", file=sys.stderr)
     tier = None
@@ -307,70 +173,36 @@ async def _serve(args: argparse.Namespace) -> int:
         await _remote(controller.start.remote() if created else controller.view.remote())
         for name, summary in (await controller.capacities.remote()).items():
             print(f"  {name}: {summary}", file=sys.stderr)
-        settings = RouterSettings(
-            model=args.model,
-            listen=args.listen,
-            front=dataclasses.replace(front, prometheus_sd_file=None),  # the controller keeps that file
-            http=args.http,
-            served_model_name=args.served_model_name,
-            metrics_host=args.metrics_host if args.metrics_port else None,
-            metrics_port=args.metrics_port,
-        )
+        # The controller keeps the Prometheus target file.
+        settings = dataclasses.replace(router, front=dataclasses.replace(front, prometheus_sd_file=None))
         tier = RouterTier(controller, settings)
-        routers = await _remote(tier.start(args.routers))
+        routers = await _remote(tier.start(config.routers))
     except BaseException:
         await _stop(controller, tier, 0)
         raise
     first = routers[0]
     shared = f" ({len(routers)} routers)" if len(routers) > 1 else ""
-    if front.tokens is None and not args.listen.startswith(("127.", "localhost", "[::1]")):
-        print(f"warning: {args.listen} is not loopback and no tokens are set: anyone who reaches it can "
+    if front.tokens is None and not router.listen.startswith(("127.", "localhost", "[::1]")):
+        print(f"warning: {router.listen} is not loopback and no tokens are set: anyone who reaches it can "
               "generate and resize the pools (--tokens-file)", file=sys.stderr)
     print(f"serving pdserve.v1.Generation on {first.grpc}{shared}", file=sys.stderr)
     if first.http:
         print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{first.http}/v1{shared}", file=sys.stderr)
-    for router in routers:
-        if router.metrics:
-            print(f"router metrics on http://{router.metrics}/metrics", file=sys.stderr)
+    for addresses in routers:
+        if addresses.metrics:
+            print(f"router metrics on http://{addresses.metrics}/metrics", file=sys.stderr)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    printing = loop.create_task(_print_planner_log(controller, args.interval)) if planner else None
+    printing = loop.create_task(_print_planner_log(controller, config.planner.interval_s)) if planner else None
     await stop.wait()
     if printing is not None:
         printing.cancel()
-    print(f"draining: no new requests, live streams get {args.drain_timeout:.0f}s to finish", file=sys.stderr)
-    finished = await _stop(controller, tier, args.drain_timeout)
+    print(f"draining: no new requests, live streams get {config.drain_timeout_s:.0f}s to finish", file=sys.stderr)
+    finished = await _stop(controller, tier, config.drain_timeout_s)
     print(f"{'drained' if finished else 'drain timed out'}: engines stopped", file=sys.stderr)
     return 0
-
-
-def planner_setup(args: argparse.Namespace, config: "DeploymentConfig") -> "PlannerSetup":
-    from pathlib import Path
-
-    from controller.planning import PlannerSetup
-    from messages.timings import SLO
-    from planner.closed_loop import PlannerConfig
-    from planner.model import PerformanceModel
-
-    if not args.planner_model:
-        raise ValueError(
-            "--planner needs --planner-model: fit one on this hardware with `pdserve probe --out probe.json` "
-            "and `pdserve tune --probe probe.json --save-model model.json`"
-        )
-    prefill, decode = (config.role_engine(role) for role in ("prefill", "decode"))
-    per_engine = max(prefill.tensor_parallel_size, decode.tensor_parallel_size)
-    instances = args.gpu_budget // per_engine if args.gpu_budget else args.prefill + args.decode
-    planner = PlannerConfig(
-        instances=instances,
-        slo=SLO(args.ttft_slo, args.itl_slo),
-        interval_s=args.interval,
-        cooldown_s=args.cooldown,
-        batch_limit=decode.max_num_seqs,
-        token_budget=prefill.max_num_batched_tokens,
-    )
-    return PlannerSetup(planner, PerformanceModel.load(Path(args.planner_model)))
 
 
 async def _print_planner_log(controller: Any, interval_s: float) -> None:

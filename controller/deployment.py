@@ -16,18 +16,16 @@ import asyncio
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from decode_worker.actor import DecodeActor
-from decode_worker.either_role import EitherRoleActor
+from configuration.fields import knob, section
 from kv_transfer.connector_config import TransferConfig
 from messages.reports import EngineCapacity
 from messages.requests import ModelLimits
-from prefill_worker.actor import PrefillActor
 from controller.health import PoolHealth
 from router.orchestrator import Orchestrator, RouterPolicy
 from cluster.pools import Member, Pool
@@ -45,33 +43,44 @@ def default_cpu_cores() -> tuple[str, ...] | None:
 @dataclass(frozen=True, slots=True)
 class DeploymentConfig:
     # The model and everything both roles must share (NIXL checks a compatibility hash).
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    transfer: TransferConfig = field(default_factory=TransferConfig)
-    num_prefill: int = 1  # 0: colocated serving (decode engines prefill themselves, no transfer)
-    num_decode: int = 1
+    engine: EngineConfig = section(EngineConfig, title="engines (see `pdserve plan` for what a setting holds)")
+    transfer: TransferConfig = section(TransferConfig, title="KV transfer (NIXL)")
+    num_prefill: int = knob(1, flag="prefill", help="prefill engines (0: colocated serving, no transfer)")
+    num_decode: int = knob(1, flag="decode", help="decode engines")
     # What each pool's engines may do differently: TP, batch limit, token budget, KV size.
-    prefill_sizing: EngineSizing = field(default_factory=EngineSizing)
-    decode_sizing: EngineSizing = field(default_factory=EngineSizing)
-    policy: RouterPolicy = field(default_factory=RouterPolicy)
-    # Ray restarts a crashed actor this many times (a new engine, new NIXL identity).
-    max_restarts: int = 3
-    # CPU machines: cores handed to engine ranks in turn (prefill first). None: no pinning.
-    cpu_cores: tuple[str, ...] | None = field(default_factory=default_cpu_cores)
-    # How long an engine may wait for its placement group (an autoscaler adding a node).
-    placement_timeout_s: float = 600.0
-    # GPUs each TP rank of a CUDA engine reserves. Below 1, engines share GPUs (TP 1 only):
+    prefill_sizing: EngineSizing = section(EngineSizing, title="prefill engines (override the shared engine flags)", prefix="prefill-")
+    decode_sizing: EngineSizing = section(EngineSizing, title="decode engines (override the shared engine flags)", prefix="decode-")
+    policy: RouterPolicy = knob(default_factory=RouterPolicy, hidden=True, help="in-process routing policy")
+    max_restarts: int = knob(3, help="Ray restarts a crashed engine this many times (a new engine, new NIXL identity)")
+    # None: no pinning.
+    cpu_cores: tuple[str, ...] | None = knob(
+        default_factory=default_cpu_cores,
+        shown="the cores this process may use",
+        help="CPU machines: cores handed to engine ranks in turn, prefill first",
+    )
+    # An autoscaler may be adding a node meanwhile.
+    placement_timeout_s: float = knob(600.0, help="how long an engine may wait for its placement group")
     # 0.5 puts a prefill and a decode engine on one GPU (deploy/gpu_smoke.py), whose
     # gpu_memory_utilization must then add up to less than 1.
-    gpus_per_rank: float = 1.0
-    # A leaving engine must stay idle this long before it goes: routers mirroring the
-    # controller's view may learn it is draining a view period late and start one more.
-    drain_quiet_s: float = 2.0
-    # Every engine runs both NIXL roles (decode_worker/either_role.py): a resize moves
-    # engines between the pools (drain, relabel, handshake) instead of restarting them.
-    # Both pools then run one engine configuration.
-    switch_roles: bool = False
+    gpus_per_rank: float = knob(1.0, help="GPUs each TP rank of a CUDA engine reserves (below 1: engines share GPUs, TP 1)")
+    # Routers mirroring the controller's view may learn of a drain a view period late.
+    drain_quiet_s: float = knob(2.0, help="a leaving engine stays idle this long before it goes")
+    # decode_worker/either_role.py; both pools then run one engine configuration.
+    switch_roles: bool = knob(
+        False,
+        help="every engine runs both NIXL roles: a resize or the planner moves engines between the pools "
+        "(drain, relabel) instead of restarting them",
+    )
 
     def __post_init__(self) -> None:
+        if self.transfer.kv_buffer_device != self.engine.device:  # KV buffers live where the engines do
+            object.__setattr__(self, "transfer", replace(self.transfer, kv_buffer_device=self.engine.device))
+        if self.num_prefill < 0 or self.num_decode < 1:
+            raise ValueError(
+                f"num_prefill {self.num_prefill}, num_decode {self.num_decode}: at least one decode engine, prefill 0 or more"
+            )
+        if self.max_restarts < 0 or self.placement_timeout_s <= 0 or self.drain_quiet_s < 0:
+            raise ValueError("max_restarts must be >= 0, placement_timeout_s > 0 and drain_quiet_s >= 0")
         if self.switch_roles and not self.num_prefill:
             raise ValueError("role switching moves engines between prefill and decode: serve with --prefill >= 1")
         if self.switch_roles and self.prefill_sizing != self.decode_sizing:
@@ -258,6 +267,11 @@ class Deployment:
             await asyncio.sleep(0.1)
 
     def _add(self, pool: Pool, count: int) -> list[Member]:
+        # Here, not at the top: the actor modules load vLLM, which a config reader need not.
+        from decode_worker.actor import DecodeActor
+        from decode_worker.either_role import EitherRoleActor
+        from prefill_worker.actor import PrefillActor
+
         cfg = self.config
         is_prefill = pool is self.prefill
         actor_class, resource = (PrefillActor, PREFILL_RESOURCE) if is_prefill else (DecodeActor, DECODE_RESOURCE)

@@ -12,15 +12,20 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from configuration.fields import default_of, knob
 from messages.membership import RouterReport
-from messages.timings import FinishedRequest
+from messages.timings import SLO, FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, Decision, PlannerConfig
 from planner.model import PerformanceModel
 from planner.observe import IntervalObservation
+
+if TYPE_CHECKING:
+    from vllm_engine.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +49,41 @@ class PlannerSetup:
 
     config: PlannerConfig
     model: PerformanceModel
+
+
+@dataclass(frozen=True, slots=True)
+class PlannerSettings:
+    """`pdserve serve --planner`'s flags; everything else of the planner keeps PlannerConfig's defaults."""
+
+    enabled: bool = knob(False, flag="planner", help="re-plan the prefill:decode split every --interval")
+    model: str | None = knob(None, flag="planner-model", help="performance model fitted on this hardware (`pdserve tune --save-model`)")
+    gpu_budget: int | None = knob(None, help="GPUs (CPU: engine core sets) the split may use (unset: the engines started)")
+    interval_s: float = knob(default_of(PlannerConfig, "interval_s"), flag="interval", help="seconds between two decisions")
+    cooldown_s: float = knob(default_of(PlannerConfig, "cooldown_s"), flag="cooldown", help="least seconds between two split changes")
+    hysteresis: float = knob(default_of(PlannerConfig, "hysteresis"), help="least relative goodput gain worth a change")
+    ttft_slo_s: float = knob(2.0, flag="ttft-slo", help="time to first token, seconds, for 90% of requests")
+    itl_slo_s: float = knob(0.1, flag="itl-slo", help="a request's mean inter-token seconds, for 90% of requests")
+
+    def setup(self, prefill: "EngineConfig", decode: "EngineConfig", engines: int) -> PlannerSetup | None:
+        """The planner for pools of these engines (`engines` started); None when it is off."""
+        if not self.enabled:
+            return None
+        if not self.model:
+            raise ValueError(
+                "--planner needs --planner-model: fit one on this hardware with `pdserve probe --out probe.json` "
+                "and `pdserve tune --probe probe.json --save-model model.json`"
+            )
+        per_engine = max(prefill.tensor_parallel_size, decode.tensor_parallel_size)
+        config = PlannerConfig(
+            instances=self.gpu_budget // per_engine if self.gpu_budget else engines,
+            slo=SLO(self.ttft_slo_s, self.itl_slo_s),
+            interval_s=self.interval_s,
+            cooldown_s=self.cooldown_s,
+            hysteresis=self.hysteresis,
+            batch_limit=decode.max_num_seqs,
+            token_budget=prefill.max_num_batched_tokens,
+        )
+        return PlannerSetup(config, PerformanceModel.load(Path(self.model)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,10 +17,11 @@ import argparse
 import asyncio
 import sys
 import uuid
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from cli.main import DEFAULT_PROMPT, _add_cluster_args, _print_final, deployment_config_from_args
+from cli.config import DEFAULT_PROMPT, DEMO_FIXED, DemoConfig
+from cli.main import _print_final
+from configuration.flags import add_flags, build, set_flag_defaults
 
 if TYPE_CHECKING:
     from proto.pdserve.v1.generate_pb2 import Final
@@ -40,33 +41,42 @@ def main(argv: list[str] | None = None) -> int:
         epilog=f"Defaults here, unlike `pdserve demo`: --device cuda, --gpu-memory-utilization "
         f"{GPU_MEMORY_UTILIZATION} (the two engines share the GPU, so keep TP 1 and their utilizations' sum below 1).",
     )
-    _add_cluster_args(parser)
-    parser.set_defaults(device="cuda", gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
     parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=48, help="tokens to generate")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds for both engines to start")
+    add_flags(parser, DemoConfig, DEMO_FIXED)
+    set_flag_defaults(
+        parser,
+        DemoConfig,
+        {"device": "cuda", "gpu-memory-utilization": GPU_MEMORY_UTILIZATION, "gpus-per-rank": GPUS_PER_RANK},
+    )
     args = parser.parse_args(argv)
-    if args.device != "cuda":
+    prompt, start_timeout_s = args.prompt, args.start_timeout
+    del args.prompt, args.start_timeout
+    try:
+        demo = build(DemoConfig, args)
+    except ValueError as err:
+        parser.error(str(err))
+    if demo.deployment.engine.device != "cuda":
         parser.error("this smoke test is for CUDA (`pdserve demo` runs the same path on CPU): leave --device cuda")
 
     import torch
 
     if not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        kind = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
         print(
-            f"gpu_smoke: no CUDA GPU: torch {torch.__version__} ({build}) sees no device. Run it on a machine "
+            f"gpu_smoke: no CUDA GPU: torch {torch.__version__} ({kind}) sees no device. Run it on a machine "
             "with an NVIDIA GPU and driver, after `PDSERVE_DEVICE=gpu make install`.",
             file=sys.stderr,
         )
         return 1
     try:
-        return asyncio.run(_smoke(args))
+        return asyncio.run(_smoke(demo, prompt, start_timeout_s))
     except ValueError as err:  # a configuration the engines cannot run
         print(f"gpu_smoke: {err}", file=sys.stderr)
         return 2
 
 
-async def _smoke(args: argparse.Namespace) -> int:
+async def _smoke(demo: DemoConfig, prompt: str, start_timeout_s: float) -> int:
     import ray
     from transformers import AutoTokenizer
 
@@ -75,11 +85,11 @@ async def _smoke(args: argparse.Namespace) -> int:
     from router.server import RouterServer
     from vllm_engine.config import resolve_model
 
-    config = replace(deployment_config_from_args(args, 1, 1), gpus_per_rank=GPUS_PER_RANK)
-    model = resolve_model(args.model)
+    config = demo.deployment
+    model = resolve_model(config.engine.model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    if args.address:
-        ray_cluster.join(args.address)
+    if demo.address:
+        ray_cluster.join(demo.address)
         logs = "the cluster's Ray logs"
     else:
         logs = f"{ray_cluster.start_local()}/session_latest/logs"
@@ -91,9 +101,9 @@ async def _smoke(args: argparse.Namespace) -> int:
             return 1
         print(f"model {model}: starting 1 prefill + 1 decode engine on one GPU...", file=sys.stderr)
         try:
-            orchestrator = await asyncio.wait_for(deployment.start(), args.start_timeout)
+            orchestrator = await asyncio.wait_for(deployment.start(), start_timeout_s)
         except asyncio.TimeoutError:
-            print(f"gpu_smoke: the engines did not start in {args.start_timeout:.0f} s; see {logs}", file=sys.stderr)
+            print(f"gpu_smoke: the engines did not start in {start_timeout_s:.0f} s; see {logs}", file=sys.stderr)
             return 1
         for name, capacity in deployment.capacities.items():
             print(f"  {name}: {capacity.summary()}", file=sys.stderr)
@@ -101,8 +111,8 @@ async def _smoke(args: argparse.Namespace) -> int:
         await server.start()
         if await _stream(server.address, WARM_UP_PROMPT, max_tokens=2, quiet=True) is None:
             return 1
-        print(f"\n{args.prompt}", end="", flush=True)
-        final = await _stream(server.address, args.prompt, max_tokens=args.max_tokens)
+        print(f"\n{prompt}", end="", flush=True)
+        final = await _stream(server.address, prompt, max_tokens=demo.max_tokens)
         if final is None:
             return 1
         print("\n")

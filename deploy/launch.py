@@ -14,7 +14,7 @@ says SERVING; with TLS, its log says so).
 
 On GPU nodes each engine gets its node's GPUs per slot as its tensor-parallel size (an
 8-GPU node with 2 slots: TP 4), and GPU sizing defaults: `pdserve serve` is started with
---device cuda --prefill-tp 4 --decode-tp 4 --gpu-memory-utilization 0.9 --max-model-len 32768.
+--device cuda --prefill-tp 4 --decode-tp 4 --max-model-len 32768.
 SERVE_ARGS come after those and override them, flag by flag (e.g. --model DIR --max-model-len 8192,
 or the front door's --max-in-flight N --max-queue N --drain-timeout S).
 
@@ -41,18 +41,22 @@ import sys
 import time
 from pathlib import Path
 
+from cli.config import ServeConfig
+from configuration.fields import default_of
+from router.actor import RouterSettings
+
 SERVE_LOG = "pdserve-serve.log"
 SERVE_PID = "pdserve-serve.pid"
 SERVING_LINE = "serving pdserve.v1.Generation on "  # what `pdserve serve` logs once it serves
-PUBLIC_LISTEN = "0.0.0.0:50051"  # with TLS and tokens
-PRIVATE_LISTEN = "127.0.0.1:50051"  # otherwise
+PRIVATE_LISTEN = default_of(RouterSettings, "listen")  # pdserve's own: the head's loopback
+PUBLIC_LISTEN = "0.0.0.0:" + PRIVATE_LISTEN.rsplit(":", 1)[1]  # with TLS and tokens
 TLS_FILES = {"--tls-cert": "server.pem", "--tls-key": "server.key"}
 CLIENT_CA = "client-ca.pem"  # in --tls-dir: require client certificates (mutual TLS)
-DRAIN_TIMEOUT_S = 30.0  # `pdserve serve --drain-timeout`'s default
+DRAIN_TIMEOUT_S = default_of(ServeConfig, "drain_timeout_s")
 POOLS = ("prefill", "decode")
-# GPU engines' sizing unless SERVE_ARGS say otherwise: vLLM may take 90% of each GPU, and a
-# request may be up to 32k tokens long (`pdserve plan` shows what that costs per engine).
-GPU_SIZING = ["--gpu-memory-utilization", "0.9", "--max-model-len", "32768"]
+# GPU engines' sizing unless SERVE_ARGS say otherwise: a request may be up to 32k tokens long
+# (`pdserve plan` shows what that costs per engine).
+GPU_SIZING = ["--max-model-len", "32768"]
 
 
 def main(argv: list[str] | None = None) -> int:

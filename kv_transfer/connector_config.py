@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Literal
 
+from configuration.fields import knob
 from kv_transfer.layout import HYBRID_TRANSFER_ENV
 from kv_transfer.progress_thread import PROGRESS_POLL_ENV
 
@@ -31,27 +32,28 @@ class Role(str, Enum):
 
 @dataclass(frozen=True, slots=True)
 class TransferConfig:
-    # "cpu": KV buffers in host memory (UCX over shared memory/TCP); "cuda": GPU memory (RDMA).
-    kv_buffer_device: Literal["cpu", "cuda"] = "cpu"
-    # Producer holds a finished request's blocks this long unless decode confirms the read;
-    # decode heartbeats extend it while a pull is in progress (vLLM's lease).
-    lease_s: int = 30
-    # What decode does when it cannot load the blocks: fail the request, or prefill locally.
-    load_failure_policy: Literal["fail", "recompute"] = "fail"
-    # NIXL's progress thread: None = none (only the engine step drives transfers, so a pull
-    # waits behind the producer's running prefill); 0 = NIXL's default, a thread spinning a
-    # full core; N = a thread asleep in poll() on UCX's event fds, waking on traffic or every
-    # N us (>= 1000; waking on traffic works here, so the timeout is only a fallback).
-    # See kv_transfer.progress_thread.
-    nixl_progress_poll_us: int | None = 10_000
-    backends: tuple[str, ...] = ("UCX",)
-    # Decode refuses a handle with less lease than this left: its blocks could be freed mid-read.
-    handle_margin_s: float = 1.0
-    # Decode gives up on a pull that has produced no first token in this long (vLLM 0.32 has
-    # a handshake timeout but none on a READ from a live but stalled peer).
-    transfer_timeout_s: float = 30.0
-    # UCX transports (UCX_TLS), e.g. "tcp"; None lets UCX choose (shared memory/cma on one host).
-    ucx_transports: str | None = None
+    # Host memory (UCX over shared memory/TCP) or GPU memory (RDMA): where the engines live,
+    # so the deployment sets it from the engines' device.
+    kv_buffer_device: Literal["cpu", "cuda"] = knob("cpu", hidden=True, help="KV buffer memory")
+    # Decode heartbeats extend the lease while a pull is in progress (vLLM's lease).
+    lease_s: int = knob(30, flag="lease", help="seconds prefill holds a finished request's blocks for decode to read")
+    load_failure_policy: Literal["fail", "recompute"] = knob(
+        "fail", help="when decode cannot load the blocks: fail the request, or prefill locally (vLLM's kv_load_failure_policy)"
+    )
+    # Without a progress thread only the engine step drives transfers, so a pull waits behind
+    # the producer's running prefill; NIXL's own thread (0) spins a full core.
+    nixl_progress_poll_us: int | None = knob(
+        10_000,
+        parse=lambda text: None if text == "none" else int(text),
+        help="NIXL progress thread: 'none', 0 (NIXL's spinning thread) or N >= 1000 (asleep in poll, N us at most)",
+    )
+    backends: tuple[str, ...] = knob(("UCX",), help="NIXL backends, in order of preference")
+    handle_margin_s: float = knob(
+        1.0, help="decode refuses a handle with less lease left than this: its blocks could be freed mid-read"
+    )
+    # vLLM 0.32 has a handshake timeout but none on a READ from a live but stalled peer.
+    transfer_timeout_s: float = knob(30.0, help="decode gives up on a pull that produced no first token in this long")
+    ucx_transports: str | None = knob(None, help="UCX_TLS, e.g. 'tcp' (unset: UCX chooses; shared memory on one host)")
 
     def process_env(self) -> dict[str, str]:
         """Environment of every process of an engine with this transfer (read there by
@@ -63,8 +65,16 @@ class TransferConfig:
         return env
 
     def __post_init__(self) -> None:
-        if self.nixl_progress_poll_us is not None and 0 < self.nixl_progress_poll_us < 1000:
+        if self.nixl_progress_poll_us is not None and not (self.nixl_progress_poll_us == 0 or self.nixl_progress_poll_us >= 1000):
             raise ValueError("nixl_progress_poll_us: None, 0 (spin) or >= 1000 (NIXL's poll timeout is whole ms)")
+        if self.lease_s < 1:
+            raise ValueError(f"lease_s must be >= 1, got {self.lease_s}")
+        if not 0 <= self.handle_margin_s < self.lease_s:
+            raise ValueError(f"handle_margin_s {self.handle_margin_s} must be in [0, lease_s {self.lease_s})")
+        if self.transfer_timeout_s <= 0:
+            raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
+        if not self.backends:
+            raise ValueError("backends: name at least one NIXL backend, e.g. UCX")
 
     def kv_transfer_config(self, role: Role, engine_id: str) -> Any:
         from vllm.config import KVTransferConfig

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 
+from configuration.fields import knob, section
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.server import FrontDoorConfig
 
@@ -24,15 +25,22 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
-    model: str  # as `--model` gave it: "embedded" is built on the router's own node
-    listen: str = "127.0.0.1:0"
-    front: FrontDoorConfig = field(default_factory=FrontDoorConfig)
-    policy: RouterPolicy = field(default_factory=RouterPolicy)
-    http: str | None = None  # also serve the OpenAI API here
-    served_model_name: str | None = None
-    metrics_host: str | None = None  # serve this router's metrics on this host
-    metrics_port: int = 0  # 0: a free port (the controller lists it for Prometheus)
-    health_interval_s: float = 0.5
+    # As the engines' config gives it: "embedded" is built on the router's own node.
+    model: str = knob("", hidden=True, help="the model the routers tokenize for (set from the engines' config)")
+    listen: str = knob("127.0.0.1:50051", help="gRPC address (routers on one host share the port)")
+    front: FrontDoorConfig = section(FrontDoorConfig, title="front door")
+    policy: RouterPolicy = section(RouterPolicy, title="routing policy")
+    http: str | None = knob(None, help="also serve the OpenAI-compatible HTTP API on this HOST:PORT")
+    served_model_name: str | None = knob(None, help="model id for the HTTP API (unset: --model)")
+    metrics_port: int = knob(9400, help="router i serves Prometheus metrics on this port + i (0: off)")
+    metrics_host: str = knob("127.0.0.1", help="address the metrics endpoints bind")
+    health_interval_s: float = knob(0.5, help="seconds between two looks at the controller's view of the pools")
+
+    def __post_init__(self) -> None:
+        if self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s must be > 0, got {self.health_interval_s}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port {self.metrics_port}: a TCP port, or 0 for no metrics endpoint")
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +94,7 @@ class RouterActor:
             self._http = HTTPServer(front, s.http, s.front.tls, reuse_port=True)
             await self._http.start()
             http = self._http.address
-        if s.metrics_host:
+        if s.metrics_port:
             server, _ = start_http_server(s.metrics_port, addr=s.metrics_host)
             metrics = f"{s.metrics_host}:{server.server_port}"
         await controller.register_router.remote(self._name, metrics)

@@ -27,6 +27,7 @@ from ray.exceptions import RayActorError
 from messages.errors import DecodeFailedError, FeedLostError, NoWorkerError, PrefillTimeoutError
 from messages.requests import GenerateRequest, ModelLimits
 from messages.results import GenerationResult, PrefillResult, TokenChunk
+from configuration.fields import knob
 from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
@@ -39,23 +40,36 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RouterPolicy:
-    # A decode actor died mid-stream: resume on another one ("migrate") or end the stream
-    # with UNAVAILABLE ("fail"). Transfer failures are vLLM's `load_failure_policy`.
-    on_decode_failure: Literal["migrate", "fail"] = "migrate"
-    max_migrations: int = 2
-    # Prompts shorter than this skip the prefill pool: the decode engine prefills them
-    # itself (conditional disaggregation). Raise it (vLLM's own kv_recompute_threshold is
-    # 64) where a short prefill costs less than a transfer. At least 3 on CPU hybrids:
-    # prefill may compute N-1 tokens and vLLM 0.32's CPU conv kernel fails on 1-token prefills.
-    local_prefill_below: int = 3
-    # No live prefill actor: prefill on the decode engine ("local"; service degraded, not down)
-    # or refuse with UNAVAILABLE ("fail").
-    on_prefill_unavailable: Literal["local", "fail"] = "local"
-    # Every wait on a remote actor is bounded: a prefill, a gap between two decode chunks,
-    # a release of a producer's blocks.
-    prefill_timeout_s: float = 300.0
-    stall_timeout_s: float = 120.0
-    release_timeout_s: float = 5.0
+    # Transfer failures follow vLLM's `load_failure_policy` instead.
+    on_decode_failure: Literal["migrate", "fail"] = knob(
+        "migrate", help="a decode engine died mid-stream: resume on another one, or end the stream with UNAVAILABLE"
+    )
+    max_migrations: int = knob(2, help="resumes one request may make before it fails")
+    # At least 3 on CPU hybrids: prefill may compute N-1 tokens and vLLM 0.32's CPU conv
+    # kernel fails on 1-token prefills. vLLM's own kv_recompute_threshold is 64.
+    local_prefill_below: int = knob(3, help="prompts shorter than this prefill on the decode engine (no transfer)")
+    on_prefill_unavailable: Literal["local", "fail"] = knob(
+        "local", help="no live prefill engine: prefill on the decode engine (degraded), or refuse with UNAVAILABLE"
+    )
+    prefill_timeout_s: float = knob(300.0, help="longest wait for a prefill leg")
+    stall_timeout_s: float = knob(120.0, help="longest gap between two decode chunks before the leg counts as failed")
+    release_timeout_s: float = knob(5.0, help="longest wait for a producer to free a request's blocks")
+
+    def __post_init__(self) -> None:
+        if self.on_decode_failure not in ("migrate", "fail"):
+            raise ValueError(f"on_decode_failure {self.on_decode_failure!r}: use 'migrate' or 'fail'")
+        if self.on_prefill_unavailable not in ("local", "fail"):
+            raise ValueError(f"on_prefill_unavailable {self.on_prefill_unavailable!r}: use 'local' or 'fail'")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.local_prefill_below < 3:
+            raise ValueError(
+                f"local_prefill_below {self.local_prefill_below}: at least 3 (a hybrid's 1-token prefill hangs vLLM's CPU engine)"
+            )
+        for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
 
 
 @dataclass(slots=True)

@@ -20,6 +20,8 @@ from typing import Any, Awaitable, Callable
 
 import grpc
 
+from configuration.fields import knob
+
 TOKENS_ENV = "PDSERVE_TOKENS"  # server: "admin:SECRET,generate:SECRET2"
 CLIENT_TOKEN_ENV = "PDSERVE_TOKEN"  # clients: the bearer token they send
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
@@ -125,9 +127,9 @@ def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str
 
 @dataclass(frozen=True, slots=True)
 class ServerTLS:
-    cert: str  # PEM certificate chain of this server
-    key: str  # PEM private key
-    client_ca: str | None = None  # PEM roots: set for mutual TLS (client certificates required)
+    cert: str = knob(help="PEM certificate chain: serve TLS (with --tls-key)")
+    key: str = knob(help="PEM private key of --tls-cert")
+    client_ca: str | None = knob(None, help="PEM roots: require client certificates signed by them (mutual TLS)")
 
     def credentials(self) -> grpc.ServerCredentials:
         client_ca = Path(self.client_ca).read_bytes() if self.client_ca else None
@@ -142,10 +144,16 @@ class ServerTLS:
 class ClientCredentials:
     """What a client presents: the server's CA (TLS), its own cert (mutual TLS), a token."""
 
-    ca: str | None = None
-    cert: str | None = None
-    key: str | None = None
-    token: str | None = None
+    ca: str | None = knob(None, flag="tls-ca", help="PEM roots to verify the server with (turns TLS on)")
+    cert: str | None = knob(None, flag="tls-cert", help="client certificate, for servers that require mutual TLS")
+    key: str | None = knob(None, flag="tls-key", help="private key of --tls-cert")
+    token: str | None = knob(
+        None,
+        flag="token-file",
+        parse=lambda path: Path(path).read_text().strip(),
+        absent=lambda: os.environ.get(CLIENT_TOKEN_ENV) or None,
+        help=f"file holding the bearer token (unset: ${CLIENT_TOKEN_ENV})",
+    )
 
     @classmethod
     def from_env(cls, ca: str | None = None, cert: str | None = None, key: str | None = None,

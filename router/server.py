@@ -14,6 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
+from configuration.fields import knob, section
+from configuration.parsers import parse_bytes
 from messages.errors import OverloadedError, client_status
 from messages.results import GenerationResult
 from proto.pdserve.v1 import generate_pb2 as pb
@@ -36,17 +38,33 @@ RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 @dataclass(frozen=True, slots=True)
 class FrontDoorConfig:
-    tls: ServerTLS | None = None
-    tokens: TokenTable | None = None  # None: no authentication (loopback, tests)
-    # Admission: None derives from the decode pool (sum of its engines' max_num_seqs); the
-    # queue defaults to as many requests again.
-    max_in_flight: int | None = None
-    max_queue: int | None = None
-    max_prompt_bytes_per_token: int = 32  # text prompts: bytes allowed per max_model_len token
-    max_concurrent_streams: int = 4096  # per HTTP/2 connection
-    max_message_bytes: int = 4 << 20
-    max_pool_size: int = 64  # Admin.ScalePools refuses more engines per pool
-    prometheus_sd_file: str | None = None  # kept current with the workers' metrics endpoints
+    tls: ServerTLS | None = section(None, title="front door: TLS", prefix="tls-")
+    tokens: TokenTable | None = knob(
+        None,
+        flag="tokens-file",
+        parse=TokenTable.load,
+        absent=lambda: TokenTable.load(None),
+        help="file of ROLE:TOKEN lines (roles generate, admin); unset: $PDSERVE_TOKENS, else no authentication",
+    )
+    # Admission: unset derives from the decode pool (sum of its engines' max_num_seqs).
+    max_in_flight: int | None = knob(None, help="requests admitted at once (unset: the decode pool's batch capacity)")
+    max_queue: int | None = knob(None, help="requests waiting for a slot (unset: as many as in flight)")
+    max_prompt_bytes_per_token: int = knob(32, help="text prompts: bytes allowed per max_model_len token")
+    max_concurrent_streams: int = knob(4096, help="gRPC streams per HTTP/2 connection")
+    max_message_bytes: int = knob(4 << 20, parse=parse_bytes, help="largest gRPC message in or out")
+    max_pool_size: int = knob(64, flag="max-engines-per-pool", help="Admin.ScalePools refuses more engines per pool")
+    prometheus_sd_file: str | None = knob(
+        None, help="keep a Prometheus file_sd target file of the engines' and routers' metrics endpoints here"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_bytes_per_token", "max_concurrent_streams", "max_message_bytes", "max_pool_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_in_flight", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and value < (1 if name == "max_in_flight" else 0):
+                raise ValueError(f"{name} {value}: admit at least 1 request, queue 0 or more")
 
 
 class GenerationService(pb_grpc.GenerationServicer):

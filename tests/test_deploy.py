@@ -222,8 +222,8 @@ def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str], l
 
     parsed = []
 
-    async def serve(args):
-        parsed.append(args)
+    async def serve(config):
+        parsed.append(config)
         return 0
 
     monkeypatch.setattr(cli, "_serve", serve)
@@ -245,20 +245,25 @@ def _aws_nodes() -> dict:
 
 def test_launch_gives_each_aws_engine_a_tp4_share_of_its_8_gpu_node(monkeypatch, tmp_path, capsys):
     user = ["--model", "/models/m", "--max-model-len", "8192"]
-    cmd, args = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), user)
-    assert (args.prefill, args.decode) == (2, 2), "two engines per node, one node per pool"
-    assert (args.device, args.prefill_tp, args.decode_tp) == ("cuda", 4, 4)
-    assert args.gpu_memory_utilization == 0.9 and args.model == "/models/m"
+    cmd, config = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), user)
+    dep = config.deployment
+    assert (dep.num_prefill, dep.num_decode) == (2, 2), "two engines per node, one node per pool"
+    assert (dep.engine.device, dep.prefill_sizing.tensor_parallel_size, dep.decode_sizing.tensor_parallel_size) == (
+        "cuda", 4, 4
+    )
+    assert dep.engine.gpu_memory_utilization == 0.9 and dep.engine.model == "/models/m"
     assert cmd[cmd.index("--max-model-len") + 1] == "32768" and cmd[-len(user) :] == user
-    assert args.max_model_len == 8192, "the user's arguments override launch.py's defaults"
+    assert dep.engine.max_model_len == 8192, "the user's arguments override launch.py's defaults"
     assert "node prefill-0: 2 prefill slot(s), 8 GPU(s)" in capsys.readouterr().out
 
 
 def test_launch_on_cpu_nodes_adds_no_gpu_flags(monkeypatch, tmp_path):
     nodes = {"10.0.0.11": {"prefill": 1, "decode": 0, "gpus": 0}, "10.0.0.12": {"prefill": 0, "decode": 1, "gpus": 0}}
-    _, args = _launch_on_head(monkeypatch, tmp_path, nodes, ["--model", "/models/m"])
-    assert (args.prefill, args.decode, args.device, args.prefill_tp, args.decode_tp) == (1, 1, "cpu", 1, 1)
-    assert args.max_model_len == 8192  # pdserve's own default
+    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, ["--model", "/models/m"])
+    dep = config.deployment
+    assert (dep.num_prefill, dep.num_decode, dep.engine.device) == (1, 1, "cpu")
+    assert (dep.role_engine("prefill").tensor_parallel_size, dep.role_engine("decode").tensor_parallel_size) == (1, 1)
+    assert dep.engine.max_model_len == 8192  # pdserve's own default
 
 
 def test_launch_refuses_pools_that_mix_gpu_and_cpu_nodes():
@@ -405,24 +410,26 @@ def test_ssh_keys_are_the_clusters_own():
 
 def _front_door_files(home: Path, client_ca: bool = False) -> None:
     (home / "front").mkdir()
-    for name in ("server.pem", "server.key", "tokens") + (("client-ca.pem",) if client_ca else ()):
+    for name in ("server.pem", "server.key") + (("client-ca.pem",) if client_ca else ()):
         (home / "front" / name).write_text("x")
+    (home / "front" / "tokens").write_text("generate:" + "t" * 16)  # read as pdserve parses its flags
 
 
 def test_launch_passes_tls_and_tokens_and_listens_beyond_the_head_only_with_both(monkeypatch, tmp_path):
     _front_door_files(tmp_path, client_ca=True)
     waited = []
     door = ("--tls-dir", "front", "--tokens-file", "~/front/tokens")  # relative: the head's home
-    cmd, args = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), ["--drain-timeout", "5"], door, waited)
+    cmd, config = _launch_on_head(monkeypatch, tmp_path, _aws_nodes(), ["--drain-timeout", "5"], door, waited)
     front = tmp_path / "front"
     assert cmd[cmd.index("--tls-cert") + 1] == str(front / "server.pem")
     assert cmd[cmd.index("--tls-key") + 1] == str(front / "server.key")
     assert cmd[cmd.index("--tls-client-ca") + 1] == str(front / "client-ca.pem")
     assert cmd[cmd.index("--tokens-file") + 1] == str(front / "tokens")
-    assert (args.tls_cert, args.tls_key, args.tls_client_ca, args.tokens_file) == (
-        str(front / "server.pem"), str(front / "server.key"), str(front / "client-ca.pem"), str(front / "tokens")
-    )
-    assert args.listen == "0.0.0.0:50051" and args.metrics_host == "127.0.0.1" and args.drain_timeout == 5
+    router = config.router
+    tls = router.front.tls
+    assert (tls.cert, tls.key, tls.client_ca) == (str(front / "server.pem"), str(front / "server.key"), str(front / "client-ca.pem"))
+    assert router.front.tokens is not None, "the tokens file was read"
+    assert router.listen == "0.0.0.0:50051" and router.metrics_host == "127.0.0.1" and config.drain_timeout_s == 5
     assert waited == ["log"], "with TLS launch.py waits for the router's log line, not a plaintext health check"
 
 
@@ -430,13 +437,15 @@ def test_launch_keeps_grpc_and_metrics_on_the_heads_loopback_without_tls_and_tok
     _front_door_files(tmp_path)
     nodes = {"10.0.0.11": {"prefill": 1, "decode": 0, "gpus": 0}, "10.0.0.12": {"prefill": 0, "decode": 1, "gpus": 0}}
     waited = []
-    cmd, args = _launch_on_head(monkeypatch, tmp_path, nodes, [], waited=waited)
-    assert args.listen == "127.0.0.1:50051" and args.metrics_host == "127.0.0.1" and args.tls_cert is None
+    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, [], waited=waited)
+    router = config.router
+    assert router.listen == "127.0.0.1:50051" and router.metrics_host == "127.0.0.1" and router.front.tls is None
     assert waited == ["health"]
-    _, args = _launch_on_head(monkeypatch, tmp_path, nodes, [], ("--tls-dir", str(tmp_path / "front")))
-    assert args.tls_cert and args.tokens_file is None and args.listen == "127.0.0.1:50051", "TLS without tokens"
-    _, args = _launch_on_head(monkeypatch, tmp_path, nodes, ["--listen", "0.0.0.0:6000"])
-    assert args.listen == "0.0.0.0:6000", "an explicit --listen wins"
+    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, [], ("--tls-dir", str(tmp_path / "front")))
+    router = config.router
+    assert router.front.tls and router.front.tokens is None and router.listen == "127.0.0.1:50051", "TLS without tokens"
+    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, ["--listen", "0.0.0.0:6000"])
+    assert config.router.listen == "0.0.0.0:6000", "an explicit --listen wins"
 
 
 def test_launch_refuses_missing_front_door_files_before_waiting_for_nodes(monkeypatch, tmp_path, capsys):

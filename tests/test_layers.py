@@ -20,6 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("vllm_engine",),  # how an engine is built and driven per device, sizing
     ("kv_transfer",),  # connector configuration, state layout, transfer accounting
     ("messages", "proto"),  # what crosses a process boundary
+    ("configuration",),  # the config tree's machinery: knobs, parsers, generated flags and docs
 ]
 LAYER_OF = {package: depth for depth, packages in enumerate(LAYERS) for package in packages}
 

@@ -57,12 +57,19 @@ def controller(ray_cluster, engine_config):
     ray_cluster.kill(handle, no_restart=True)
 
 
+def _settings(model_path: str):  # noqa: ANN202
+    """A router on a free port, without a metrics endpoint."""
+    from router.actor import RouterSettings
+
+    return RouterSettings(model=model_path, listen="127.0.0.1:0", metrics_port=0, health_interval_s=0.2)
+
+
 def _router(controller, model_path, name):
     import ray
 
-    from router.actor import RouterActor, RouterSettings
+    from router.actor import RouterActor
 
-    actor = RouterActor.remote(name, controller, RouterSettings(model=model_path, health_interval_s=0.2))
+    actor = RouterActor.remote(name, controller, _settings(model_path))
     return actor, ray.get(actor.serve.remote()).grpc
 
 
@@ -202,11 +209,10 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
 
 
 def test_routers_on_one_host_share_the_port(ray_cluster, controller, model_path):
-    from router.actor import RouterSettings
     from router.tier import RouterTier
 
     async def scenario():
-        tier = RouterTier(controller, RouterSettings(model=model_path, health_interval_s=0.2))
+        tier = RouterTier(controller, _settings(model_path))
         try:
             addresses = await tier.start(2)
             assert addresses[0].grpc == addresses[1].grpc  # SO_REUSEPORT: one address, two routers

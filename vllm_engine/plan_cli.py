@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from pathlib import Path
 
+from configuration.parsers import parse_bytes
 from vllm_engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EMBEDDED_MODEL, EngineConfig, resolve_model
-from vllm_engine.sizing import GiB, KiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine, render_plan
-
-_UNITS = {"": 1, "b": 1, "kib": KiB, "mib": MiB, "gib": GiB, "tib": 1024 * GiB}
-
-
-def parse_bytes(text: str) -> int:
-    """'268435456', '256MiB', '1.5 GiB' -> bytes."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not match or match[2].lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: use bytes or a KiB/MiB/GiB/TiB suffix, e.g. 256MiB")
-    return int(float(match[1]) * _UNITS[match[2].lower()])
-
+from vllm_engine.sizing import GiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine, render_plan
 
 def main(argv: list[str] | None = None) -> int:
     defaults = EngineConfig()

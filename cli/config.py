@@ -1,0 +1,82 @@
+"""The configuration tree of each `pdserve` subcommand: the roots its flags are generated from.
+
+Each leaf is a field of the config it sets (engine, transfer, routers, front door, planner,
+client), with its default written there once. `python -m cli.config` prints the
+configuration reference (docs/configuration.md; tests/test_config.py keeps it current).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, replace
+
+from configuration.fields import knob, section
+from configuration.flags import reference
+from controller.deployment import DeploymentConfig
+from controller.planning import PlannerSettings
+from router.actor import RouterSettings
+from router.security import ClientCredentials
+
+# A sentence of the embedded model's corpus: the model continues it with the corpus's text.
+DEFAULT_PROMPT = "Prefill processes the prompt and creates state; decode consumes that state one token at a time."
+DEMO_FIXED = frozenset({"prefill", "decode", "switch-roles"})  # the demo is always one pair
+
+
+@dataclass(frozen=True, slots=True)
+class DemoConfig:
+    address: str | None = knob(None, help="join this Ray cluster instead of starting a local one")
+    deployment: DeploymentConfig = section(DeploymentConfig, title="pools")
+    max_tokens: int = knob(48, help="tokens to generate")
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    address: str | None = knob(None, help="join this Ray cluster instead of starting a local one")
+    deployment: DeploymentConfig = section(DeploymentConfig, title="pools")
+    routers: int = knob(1, help="router processes (Ray actors, spread over nodes; on one host they share the port)")
+    router: RouterSettings = section(RouterSettings, title="routers")
+    drain_timeout_s: float = knob(30.0, flag="drain-timeout", help="seconds live streams get to finish on SIGTERM")
+    planner: PlannerSettings = section(PlannerSettings, title="closed-loop planner (changes the split as the traffic shifts)")
+
+    def __post_init__(self) -> None:
+        if self.routers < 1:
+            raise ValueError(f"routers {self.routers}: at least one router must take traffic")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        # The routers tokenize for the engines' model and route by the one policy.
+        router = replace(self.router, model=self.deployment.engine.model)
+        object.__setattr__(self, "router", router)
+        object.__setattr__(self, "deployment", replace(self.deployment, policy=router.policy))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateConfig:
+    target: str = knob("127.0.0.1:50051", help="the server's gRPC address")
+    max_tokens: int = knob(64, help="tokens to generate")
+    temperature: float = knob(0.0, help="sampling temperature (0: greedy)")
+    timeout_s: float | None = knob(None, flag="timeout", help="deadline in seconds")
+    credentials: ClientCredentials = section(ClientCredentials, title="client credentials")
+
+
+# Each command's tree, and the flag names it leaves out.
+COMMANDS: dict[str, tuple[type, frozenset[str]]] = {
+    "demo": (DemoConfig, DEMO_FIXED),
+    "serve": (ServeConfig, frozenset()),
+    "generate": (GenerateConfig, frozenset()),
+}
+
+INTRO = """# Configuration reference
+
+Generated from the configuration tree (`cli/config.py` and the config dataclasses it
+holds) by `python -m cli.config > docs/configuration.md`: every flag sets the field named
+beside it, and its default is written only there. `pdserve plan`, `probe` and `tune` keep
+their own flags (`pdserve plan --help`, ...). Sizes take KiB/MiB/GiB suffixes; on/off
+flags have a `--no-` form."""
+
+
+def configuration_reference() -> str:
+    return reference(COMMANDS, INTRO)
+
+
+if __name__ == "__main__":
+    sys.stdout.write(configuration_reference())
