@@ -5,34 +5,55 @@ flight on each actor) plus each actor's cheap load report (requests running and 
 free KV blocks), refreshed in the background: no per-request round trip to the workers.
 Several routers pick independently; the load report is what shows each of them the
 others' requests (tests/test_pools.py measures the imbalance without it).
+
+A member's `Lifecycle` changes only through its `mark_*` methods, which refuse illegal
+transitions; the pools' owner (controller/) makes the transitions of record, a router's
+mirror copies them (`Pool.mirror`). A request's share of a member's load is counted by
+`async with pool.lease(member)`, and every pick returns a `RouteDecision`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Literal
 
 from messages.errors import NoWorkerError
-from messages.membership import MemberState
+from messages.membership import Lifecycle, MemberState
 from messages.reports import EngineCapacity, EngineLoad
+
+log = logging.getLogger(__name__)
+
+JOINING, LIVE, DRAINING, DEAD = Lifecycle.JOINING, Lifecycle.LIVE, Lifecycle.DRAINING, Lifecycle.DEAD
+
+# Where each state may go. Only a handshake (JOINING) leads to LIVE; a leaving member comes
+# back only as one joining the other pool (a role switch). Going to the state a member is
+# in already changes nothing: several failed calls may report one death.
+_NEXT: dict[Lifecycle, frozenset[Lifecycle]] = {
+    JOINING: frozenset({LIVE, DRAINING, DEAD}),
+    LIVE: frozenset({JOINING, DRAINING, DEAD}),  # JOINING: Ray restarted it (a new engine id)
+    DRAINING: frozenset({JOINING}),
+    DEAD: frozenset({JOINING, DRAINING}),
+}
+
+
+class LifecycleError(RuntimeError):
+    """A transition the lifecycle does not have (a bug in whoever asked for it)."""
 
 
 @dataclass(slots=True)
 class Member:
     name: str
     actor: Any  # Ray actor handle
-    _outstanding: int = 0  # this router's requests in flight on it (`outstanding_requests`)
-    outstanding_prompt_tokens: int = 0
+    _lifecycle: Lifecycle = field(default=JOINING, init=False)  # read `lifecycle`, change by mark_*
+    _outstanding: int = field(default=0, init=False)  # this router's leases on it
+    _prompt_tokens: int = field(default=0, init=False)  # their prompt tokens
     load: EngineLoad | None = None
-    # Picked only while alive: set once it answers (and is handshaken with the other pool),
-    # cleared when a load report or a call fails.
-    alive: bool = False
-    draining: bool = False  # being removed: finishes its requests, never picked again
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
     missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
@@ -43,13 +64,57 @@ class Member:
     _changes: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property
+    def lifecycle(self) -> Lifecycle:
+        return self._lifecycle
+
+    @property
+    def live(self) -> bool:
+        return self._lifecycle is LIVE
+
+    def mark_joining(self) -> None:
+        """It answers (started, restarted, back, or moved to this pool): handshake it next."""
+        self._become(JOINING, "answers")
+
+    def mark_live(self) -> None:
+        """Handshaken with the other pool: it takes traffic."""
+        self._become(LIVE, "handshaken")
+
+    def mark_draining(self) -> None:
+        """Leaving its pool: it finishes its requests and is never picked again."""
+        self._become(DRAINING, "leaving its pool")
+
+    def mark_dead(self, reason: str) -> None:
+        """A call or load poll failed: out of rotation until it answers again. A leaving
+        member stays leaving: marked dead, its next answer would make it rejoin."""
+        if self._lifecycle is not DRAINING:
+            self._become(DEAD, reason)
+
+    def mirror_lifecycle(self, lifecycle: Lifecycle) -> None:
+        """A router takes the owner's word as it stands: it sees only where transitions
+        led, a view apart (DEAD, then LIVE again after a restart's handshake)."""
+        self._lifecycle = lifecycle
+
+    def _become(self, lifecycle: Lifecycle, reason: str) -> None:
+        if lifecycle is self._lifecycle:
+            return
+        if lifecycle not in _NEXT[self._lifecycle]:
+            raise LifecycleError(f"{self.name}: no transition {self._lifecycle.value} -> {lifecycle.value} ({reason})")
+        log.info("%s: %s -> %s (%s)", self.name, self._lifecycle.value, lifecycle.value, reason)
+        self._lifecycle = lifecycle
+
+    @property
     def outstanding_requests(self) -> int:
         return self._outstanding
 
-    @outstanding_requests.setter
-    def outstanding_requests(self, count: int) -> None:
-        self._changes.append((time.time(), count - self._outstanding))
-        self._outstanding = count
+    @property
+    def outstanding_prompt_tokens(self) -> int:
+        return self._prompt_tokens
+
+    def _count(self, requests: int, prompt_tokens: int) -> None:
+        """Only `Lease` calls this: every +1 is paired with its -1."""
+        self._changes.append((time.time(), requests))
+        self._outstanding += requests
+        self._prompt_tokens += prompt_tokens
 
     def record_load(self, load: EngineLoad | None) -> None:
         self.load = load
@@ -68,6 +133,45 @@ class Member:
         return max(self._outstanding, self.load.running + self.load.waiting + since_report)
 
 
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """One request's share of a member's load, counted from entry to exit whatever ends it
+    (an error, a cancellation, a client that left)."""
+
+    member: Member
+    prompt_tokens: int
+
+    async def __aenter__(self) -> Member:
+        self.member._count(1, self.prompt_tokens)
+        return self.member
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self.member._count(-1, -self.prompt_tokens)  # no await before it: a cancel cannot skip it
+
+
+RouteReason = Literal["only live member", "least loaded", "tie, taken in turn"]
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """One pick and the figures it was made on: the router logs it (debug) and counts it by
+    reason (metrics); tests read it."""
+
+    pool: str
+    member: Member
+    reason: RouteReason
+    live: int  # members it was picked among
+    requests: int  # its estimated requests, every router's (decode's first key)
+    prompt_tokens: int  # this router's outstanding prompt tokens on it (prefill's key)
+    free_blocks: int | None  # from its last load report
+
+    def __str__(self) -> str:
+        return (
+            f"{self.pool} pick {self.member.name} ({self.reason} of {self.live}): {self.requests} requests, "
+            f"{self.prompt_tokens} prompt tokens, {self.free_blocks} free blocks"
+        )
+
+
 @dataclass(slots=True)
 class Pool:
     role: str
@@ -80,41 +184,61 @@ class Pool:
     # engines do not all pick the first one.
     _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
 
-    def pick_prefill(self) -> Member:
+    def pick_prefill(self) -> RouteDecision:
         """Least outstanding prompt tokens: prefill time is proportional to them."""
-        live = self._live_members()
-        turn = next(self._tiebreak)
-        return min(live, key=lambda m: (m.outstanding_prompt_tokens, (live.index(m) - turn) % len(live)))
+        return self._pick(lambda m: (m.outstanding_prompt_tokens,))
 
-    def pick_decode(self) -> Member:
+    def pick_decode(self) -> RouteDecision:
         """Fewest requests (from all routers), then most free KV/state capacity."""
-        live = self._live_members()
-        turn = next(self._tiebreak)
-        return min(
-            live,
-            key=lambda m: (
-                m.estimated_requests,
-                -(m.load.free_blocks if m.load else 0),
-                (live.index(m) - turn) % len(live),
-            ),
-        )
+        return self._pick(lambda m: (m.estimated_requests, -(m.load.free_blocks if m.load else 0)))
 
-    def _live_members(self) -> list[Member]:
-        live = [m for m in self.members if m.alive]
+    def _pick(self, load_key: Callable[[Member], tuple[int, ...]]) -> RouteDecision:
+        """The live member of least `load_key`; ties rotate. No I/O: it reads what is known."""
+        live = self.live
         if not live:
             raise NoWorkerError(f"no live {self.role} actor: check the cluster's {self.role} nodes")
-        return live
+        turn = next(self._tiebreak)
+        keys = [load_key(m) for m in live]
+        best = min(range(len(live)), key=lambda i: (keys[i], (i - turn) % len(live)))
+        member = live[best]
+        reason: RouteReason = "least loaded" if keys.count(keys[best]) == 1 else "tie, taken in turn"
+        if len(live) == 1:
+            reason = "only live member"
+        return RouteDecision(
+            self.role,
+            member,
+            reason,
+            len(live),
+            member.estimated_requests,
+            member.outstanding_prompt_tokens,
+            member.load.free_blocks if member.load else None,
+        )
+
+    def lease(self, member: Member, prompt_tokens: int = 0) -> Lease:
+        """`async with pool.lease(member, prompt_tokens=...)`: counts one request (and its
+        prompt tokens) on `member` while the block runs, and always takes it back."""
+        return Lease(member, prompt_tokens)
+
+    @property
+    def live(self) -> list[Member]:
+        return [m for m in self.members if m.live]
+
+    @property
+    def staying(self) -> list[Member]:
+        """Every member but those draining out of it."""
+        return [m for m in self.members if m.lifecycle is not DRAINING]
 
     @property
     def has_live_member(self) -> bool:
-        return any(m.alive for m in self.members)
+        return any(m.live for m in self.members)
 
     async def refresh_loads(self, timeout_s: float) -> list[Member]:
         """Poll every member's load. One whose actor is gone, or that times out
         `timeouts_before_dead` polls in a row, counts as dead.
 
-        Returns the members that answer but are not alive yet, or answer under a new engine
-        id (new, or restarted between two polls): the caller decides when they take traffic.
+        Returns the members that answer but are not live yet, or answer under a new engine
+        id (new, or restarted between two polls), as JOINING: the caller handshakes them and
+        decides when they take traffic.
         """
 
         async def report(member: Member) -> EngineLoad | TimeoutError | None:
@@ -131,29 +255,30 @@ class Pool:
             if isinstance(load, TimeoutError):
                 member.missed_polls += 1
                 if member.missed_polls >= self.timeouts_before_dead:
-                    member.alive = False
+                    member.mark_dead(f"{member.missed_polls} load polls in a row timed out")
                 continue
             member.missed_polls = 0
             member.record_load(load)
             if load is None:
-                member.alive = False
-            elif member.draining:
+                member.mark_dead("its load poll failed")
+            elif member.lifecycle is DRAINING:
                 continue
-            elif not member.alive or load.engine_id != member.engine_id:
-                member.alive = False  # until the caller has handshaken it
+            elif not member.live or load.engine_id != member.engine_id:
+                member.mark_joining()  # until the caller has handshaken it
                 member.engine_id = load.engine_id
                 joining.append(member)
         return joining
 
     def mirror(self, states: tuple[MemberState, ...], new_poll: bool) -> None:
-        """Take membership, liveness and load from the controller's view, keeping what only
+        """Take membership, lifecycle and load from the controller's view, keeping what only
         this router knows (its requests in flight on each member). `new_poll`: the loads
         were measured since the last view (else they are not taken as new)."""
         known = {m.name: m for m in self.members}
         members = []
         for state in states:
             member = known.get(state.name) or Member(state.name, state.actor)  # names are never reused
-            member.alive, member.draining, member.capacity = state.alive, state.draining, state.capacity
+            member.mirror_lifecycle(state.lifecycle)
+            member.capacity = state.capacity
             member.engine_id = state.load.engine_id if state.load else member.engine_id
             if new_poll:
                 member.record_load(state.load)

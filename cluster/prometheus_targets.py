@@ -25,7 +25,7 @@ def targets(pools: Iterable[Pool], others: Mapping[str, tuple[str, str]] | None 
         {"targets": [member.load.metrics_address], "labels": {"role": pool.role, "actor": member.name}}
         for pool in pools
         for member in pool.members
-        if member.alive and member.load is not None and member.load.metrics_address
+        if member.live and member.load is not None and member.load.metrics_address
     ]
     rest = [{"targets": [address], "labels": {"role": role, "actor": name}} for name, (role, address) in (others or {}).items()]
     return workers + rest

@@ -18,7 +18,7 @@ import ray
 
 from controller.deployment import Deployment, DeploymentConfig
 from controller.planning import PlannerSetup, PlanningLoop
-from messages.membership import ClusterView, MemberState, RouterReport
+from messages.membership import ClusterView, MemberState, RouterReport, ScalingDecision, ScalingOutcome
 from cluster.pools import Member
 from cluster.prometheus_targets import write_targets
 
@@ -30,7 +30,7 @@ CONTROLLER_NAME = "pdserve-controller"
 
 
 def _state(member: Member) -> MemberState:
-    return MemberState(member.name, member.actor, member.alive, member.draining, member.load, member.capacity)
+    return MemberState(member.name, member.actor, member.lifecycle, member.load, member.capacity)
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)
@@ -68,13 +68,13 @@ class PoolController:
 
             setup = self._planner_setup
             planner = ClosedLoopPlanner(setup.config, setup.model)
-            self.planning = PlanningLoop(planner, self._split, lambda p, d: self.resize(p, d, None))
+            self.planning = PlanningLoop(planner, self._split, self.resize)
             self._tasks.append(loop.create_task(self.planning.run(setup.config.interval_s)))
         return self.view()
 
     def _split(self) -> tuple[int, int]:
         dep = self._deployment
-        return tuple(sum(not m.draining for m in pool.members) for pool in (dep.prefill, dep.decode))  # type: ignore[return-value]
+        return len(dep.prefill.staying), len(dep.decode.staying)
 
     def planner_log(self, since: int = 0) -> list[str]:
         """The planner's decisions and split changes (a line each), from line `since` on."""
@@ -97,14 +97,12 @@ class PoolController:
     def capacities(self) -> dict[str, str]:
         return {name: capacity.summary() for name, capacity in self._deployment.capacities.items()}
 
-    async def resize(
-        self, num_prefill: int, num_decode: int, tensor_parallel: tuple[int, int] | None
-    ) -> tuple[int, int]:
-        """One resize at a time, whichever router asked (Admin.ScalePools)."""
+    async def resize(self, decision: ScalingDecision) -> ScalingOutcome:
+        """One resize at a time, whoever asked (the planner, a router's Admin.ScalePools)."""
         if self._resizing.locked():
             raise RuntimeError("a resize is already in progress: retry when it is done")
         async with self._resizing:
-            return await self._deployment.resize(num_prefill, num_decode, tensor_parallel)
+            return await self._deployment.resize(decision)
 
     def register_router(self, name: str, metrics_address: str | None) -> None:
         """A router's metrics endpoint, listed beside the engines' for Prometheus."""

@@ -24,6 +24,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configuration.fields import knob, section
 from kv_transfer.connector_config import TransferConfig
+from messages.membership import ScalingDecision, ScalingOutcome
 from messages.reports import EngineCapacity
 from messages.requests import ModelLimits
 from controller.health import PoolHealth
@@ -172,18 +173,13 @@ class Deployment:
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
         return self.orchestrator
 
-    async def resize(
-        self,
-        num_prefill: int,
-        num_decode: int,
-        tensor_parallel: tuple[int, int] | None = None,
-        drain_timeout_s: float = 300.0,
-    ) -> tuple[int, int]:
+    async def resize(self, decision: ScalingDecision, drain_timeout_s: float = 300.0) -> ScalingOutcome:
         """Grow or shrink the live pools. New actors are handshaken before they take traffic;
         a removed actor first stops getting new requests, finishes the ones it has, then goes.
-        `tensor_parallel`: the (prefill, decode) TP sizes a plan assumes, checked against ours."""
+        The decision's `tensor_parallel` (the TP sizes a plan assumes) is checked against ours."""
         if self.orchestrator is None:
             raise RuntimeError("start() the deployment first")
+        num_prefill, num_decode, tensor_parallel = decision.prefill, decision.decode, decision.tensor_parallel
         if (num_prefill == 0) != self.orchestrator.colocated or num_decode < 1:
             raise ValueError("resize keeps the serving mode: prefill 0 (colocated) stays 0, and decode >= 1")
         ours = tuple(self.config.role_engine(role).tensor_parallel_size for role in ("prefill", "decode"))
@@ -193,6 +189,8 @@ class Deployment:
                 f"this deployment runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
                 f"--decode-tp {tensor_parallel[1]}, or tune with the live engines' sizes"
             )
+        before = len(self.prefill.members), len(self.decode.members)
+        log.info("resize %dP:%dD to %dP:%dD (%s)", *before, num_prefill, num_decode, decision.reason)
         if self.config.switch_roles:
             await self._switch_roles(num_prefill, num_decode, drain_timeout_s)
         added = self._add(self.prefill, num_prefill - len(self.prefill.members))
@@ -201,12 +199,13 @@ class Deployment:
         await self.health.refresh(poll_timeout_s=60)
         leaving = self.prefill.members[num_prefill:] + self.decode.members[num_decode:]
         for member in leaving:
-            member.draining = True
-            member.alive = False
+            member.mark_draining()
         await asyncio.gather(*(self._drain(m, drain_timeout_s) for m in leaving))
         for pool in (self.prefill, self.decode):
-            pool.members = [m for m in pool.members if not m.draining]
-        return len(self.prefill.members), len(self.decode.members)
+            pool.members = pool.staying
+        outcome = ScalingOutcome(decision, before, (len(self.prefill.members), len(self.decode.members)))
+        log.info("%s", outcome)
+        return outcome
 
     async def _ready(self, members: list[Member]) -> None:
         """Wait for each engine's reservation and start-up; record what each can hold."""
@@ -235,14 +234,13 @@ class Deployment:
             count = min(len(source.members) - source_size, target_size - len(target.members))
             if count <= 0:
                 continue
-            movers = sorted(source.members, key=lambda m: (not m.alive, m.estimated_requests))[:count]
+            movers = sorted(source.members, key=lambda m: (not m.live, m.estimated_requests))[:count]
             for member in movers:
-                member.draining = True
-                member.alive = False
+                member.mark_draining()
             await asyncio.gather(*(self._wait_idle(m, drain_timeout_s) for m in movers))
             for member in movers:
                 source.members.remove(member)
-                member.draining = False  # not alive: the next refresh handshakes it as joining
+                member.mark_joining()  # the next refresh handshakes it with its new peers
                 target.members.append(member)
             log.info("moved %s from %s to %s", ", ".join(m.name for m in movers), source.role, target.role)
 

@@ -12,6 +12,7 @@ import logging
 import time
 from typing import AsyncIterator
 
+from messages.membership import Lifecycle
 from messages.requests import GenerateRequest, SamplingConfig
 from router import metrics
 from cluster.pools import Member, Pool
@@ -35,12 +36,14 @@ class PoolHealth:
             self.prefill.refresh_loads(poll_timeout_s), self.decode.refresh_loads(poll_timeout_s)
         )
         if self.prefill.members:  # colocated serving has no prefill pool and no transfers
-            decode = [m for m in self.decode.members if m.alive] + joining_decode
-            prefill = [m for m in self.prefill.members if m.alive]
+            decode = self.decode.live + joining_decode
+            prefill = self.prefill.live
             pairs = [(p, d) for p in joining_prefill for d in decode] + [(p, d) for p in prefill for d in joining_decode]
             await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
         for member in joining_prefill + joining_decode:
-            member.alive = True
+            # Not one that a resize took out or a failed call marked dead meanwhile.
+            if member.lifecycle is Lifecycle.JOINING:
+                member.mark_live()
         self.polls += 1
         metrics.observe_pool(self.prefill)
         metrics.observe_pool(self.decode)

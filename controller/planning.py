@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Awaitable, Callable
 from prometheus_client import Counter, Gauge, Histogram
 
 from configuration.fields import default_of, knob
-from messages.membership import RouterReport
+from messages.membership import RouterReport, ScalingDecision, ScalingOutcome
 from messages.timings import SLO, FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, Decision, PlannerConfig
 from planner.model import PerformanceModel
@@ -98,7 +98,7 @@ class PlanningLoop:
         self,
         planner: ClosedLoopPlanner,
         split: Callable[[], tuple[int, int]],
-        resize: Callable[[int, int], Awaitable[tuple[int, int]]],
+        resize: Callable[[ScalingDecision], Awaitable[ScalingOutcome]],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self._planner = planner
@@ -141,7 +141,8 @@ class PlanningLoop:
             target = decision.recommended
             started = time.monotonic()
             try:
-                applied: tuple[int, int] | None = await self._resize(target.prefill, target.decode)
+                scaling = ScalingDecision(target.prefill, target.decode, f"planner: {decision.reason}")
+                applied: tuple[int, int] | None = (await self._resize(scaling)).after
             except Exception:
                 log.exception("planner could not change the split to %s", target.label)
                 applied = None

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from configuration.fields import knob, section
+from messages.membership import ScalingDecision, ScalingOutcome
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.server import FrontDoorConfig
 
@@ -76,9 +77,9 @@ class RouterActor:
         mirror = ControllerMirror(controller, view)
         orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy, mirror.journal)
 
-        async def scale(prefill: int, decode: int, tp: tuple[int, int] | None) -> tuple[int, int]:
+        async def scale(decision: ScalingDecision) -> ScalingOutcome:
             try:
-                return await controller.resize.remote(prefill, decode, tp)
+                return await controller.resize.remote(decision)
             except ray.exceptions.RayTaskError as err:  # the controller's refusal, without Ray's traceback
                 raise err.cause from None
 

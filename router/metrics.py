@@ -71,6 +71,8 @@ MIGRATIONS = Counter("pdserve_migrations_total", "Streams resumed on another dec
 LOCAL_PREFILL_FALLBACKS = Counter(
     "pdserve_local_prefill_fallbacks_total", "Requests prefilled on a decode engine because no prefill actor was live"
 )
+ROUTES = Counter("pdserve_route_picks_total", "Engines picked for a leg, by pool and why", ["pool", "reason"])
+FAILOVERS = Counter("pdserve_decode_failovers_total", "Streams whose decode actor died, by what was done", ["action"])
 
 _A = ["role", "actor"]
 RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor's engine", _A)
@@ -109,7 +111,7 @@ def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (o
 def observe_pool(pool: Pool) -> None:
     for member in pool.members:
         labels = (pool.role, member.name)
-        ALIVE.labels(*labels).set(1 if member.alive else 0)
+        ALIVE.labels(*labels).set(1 if member.live else 0)
         if member.load is None:
             continue
         RUNNING.labels(*labels).set(member.load.running)

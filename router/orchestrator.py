@@ -33,7 +33,7 @@ from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
 from router.journal import RequestJournal
-from cluster.pools import Member, Pool
+from cluster.pools import Member, Pool, RouteDecision
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +70,23 @@ class RouterPolicy:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    """Where a leg's prompt is prefilled, and why: on a prefill engine (`route`), or by the
+    decode engine itself (`route` None)."""
+
+    route: RouteDecision | None
+    reason: Literal["prefill pool", "colocated", "short prompt", "no live prefill engine"]
+
+
+@dataclass(frozen=True, slots=True)
+class Failover:
+    """What becomes of a stream whose decode engine died, and why."""
+
+    action: Literal["migrate", "fail"]
+    reason: str
+    migrations: int  # made before this failure
 
 
 @dataclass(slots=True)
@@ -137,18 +154,23 @@ class Orchestrator:
             if first is not None:
                 leg = prefill.decode_leg(leg)
             try:
-                decode_member = self.decode.pick_decode()
+                route = self.decode.pick_decode()
             except NoWorkerError:
                 if handle is not None:
                     self._release_soon(handle)
                 raise
+            _routed(leg.request_id, route)
+            decode_member = route.member
             try:
                 async for chunk in self._decode(decode_member, leg, handle, progress, first):
                     yield chunk
                 break
             except (RayActorError, FeedLostError) as err:  # the decode actor died
-                decode_member.alive = False
-                if self.policy.on_decode_failure == "fail" or migrations >= self.policy.max_migrations:
+                decode_member.mark_dead(f"failed serving {leg.request_id}: {type(err).__name__}")
+                failover = self.failover(migrations)
+                metrics.FAILOVERS.labels(failover.action).inc()
+                log.warning("%s: decode actor %s died: %s", request.request_id, decode_member.name, failover)
+                if failover.action == "fail":
                     raise DecodeFailedError(
                         f"decode actor {decode_member.name} died while serving {request.request_id}"
                     ) from err
@@ -173,6 +195,29 @@ class Orchestrator:
             self.journal.finished(arrived_wall, result)
         yield result
 
+    def failover(self, migrations: int) -> Failover:
+        """Migrate the stream or fail it, by policy and the migrations it made already."""
+        limit = self.policy.max_migrations
+        if self.policy.on_decode_failure == "fail":
+            return Failover("fail", "policy on_decode_failure is fail", migrations)
+        if migrations >= limit:
+            return Failover("fail", f"it migrated {migrations} times, max_migrations is {limit}", migrations)
+        return Failover("migrate", f"migration {migrations + 1} of at most {limit}", migrations)
+
+    def plan_prefill(self, request: GenerateRequest) -> PrefillPlan:
+        """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill engine
+        under policy "local") leave the prompt to the decode engine. No I/O."""
+        if self.colocated:
+            return PrefillPlan(None, "colocated")
+        if len(request.prompt_token_ids) < self.policy.local_prefill_below:
+            return PrefillPlan(None, "short prompt")
+        try:
+            return PrefillPlan(self.prefill.pick_prefill(), "prefill pool")
+        except NoWorkerError:
+            if self.policy.on_prefill_unavailable == "fail":
+                raise
+            return PrefillPlan(None, "no live prefill engine")
+
     async def _decode(
         self,
         member: Member,
@@ -182,40 +227,39 @@ class Orchestrator:
         first: TokenChunk | None,
     ) -> AsyncIterator[TokenChunk]:
         """Stream the decode leg; `first` (prefill's token) goes out while the leg starts."""
-        member.outstanding_requests += 1
-        feed = self._feed(member)
-        inbox = feed.open_leg(request.request_id)
-        started = finished = False
-        try:
-            await feed.opened()
-            feed.start_leg(request, handle)
-            if first is not None:
-                progress.add(first)
-                yield first
-            while not finished:
-                chunks: list[TokenChunk] = []
-                for event in await inbox.take():
-                    if isinstance(event, BaseException):  # the feed broke (the actor died) or it stalled
-                        raise event
-                    if event.error is not None:
-                        raise event.error
-                    chunks.append(event.chunk)
-                # Tokens that arrived together (this stream's caller was still writing the
-                # last ones) go out as one message: fewer writes, and no token waits longer.
-                chunk = chunks[0] if len(chunks) == 1 else TokenChunk.joined(chunks)
-                started = True
-                progress.add(chunk)
-                finished = chunk.finish_reason is not None
-                yield chunk
-        finally:
-            feed.close_leg(request.request_id)
-            member.outstanding_requests -= 1
-            if not finished:  # caller left early or it failed: stop the engine too
-                feed.abort_leg(request.request_id)
-            if handle is not None and not started:
-                # Cancelled or failed before decode produced anything: the producer may
-                # still hold the blocks; have it free them now, not at lease expiry.
-                self._release_soon(handle)
+        async with self.decode.lease(member):
+            feed = self._feed(member)
+            inbox = feed.open_leg(request.request_id)
+            started = finished = False
+            try:
+                await feed.opened()
+                feed.start_leg(request, handle)
+                if first is not None:
+                    progress.add(first)
+                    yield first
+                while not finished:
+                    chunks: list[TokenChunk] = []
+                    for event in await inbox.take():
+                        if isinstance(event, BaseException):  # the feed broke (the actor died) or it stalled
+                            raise event
+                        if event.error is not None:
+                            raise event.error
+                        chunks.append(event.chunk)
+                    # Tokens that arrived together (this stream's caller was still writing the
+                    # last ones) go out as one message: fewer writes, and no token waits longer.
+                    chunk = chunks[0] if len(chunks) == 1 else TokenChunk.joined(chunks)
+                    started = True
+                    progress.add(chunk)
+                    finished = chunk.finish_reason is not None
+                    yield chunk
+            finally:
+                feed.close_leg(request.request_id)
+                if not finished:  # caller left early or it failed: stop the engine too
+                    feed.abort_leg(request.request_id)
+                if handle is not None and not started:
+                    # Cancelled or failed before decode produced anything: the producer may
+                    # still hold the blocks; have it free them now, not at lease expiry.
+                    self._release_soon(handle)
 
     def _feed(self, member: Member) -> DecodeFeed:
         """This router's feed from `member`, reopened after the actor restarted."""
@@ -227,31 +271,30 @@ class Orchestrator:
         return feed
 
     async def _prefill_or_local(self, request: GenerateRequest) -> tuple[Member | None, PrefillResult | None]:
-        """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill actor
-        under policy "local") leave the prompt to the decode engine."""
-        if self.colocated or len(request.prompt_token_ids) < self.policy.local_prefill_below:
-            return None, None
-        try:
-            return await self._prefill(request)
-        except NoWorkerError:
-            if self.policy.on_prefill_unavailable == "fail":
-                raise
-            metrics.LOCAL_PREFILL_FALLBACKS.inc()
-            return None, None
-
-    async def _prefill(self, request: GenerateRequest) -> tuple[Member, PrefillResult]:
-        """Prefill on the best live actor; an actor that dies meanwhile is marked and skipped."""
+        """Prefill where `plan_prefill` says; a prefill actor that dies meanwhile is marked
+        and the leg planned again."""
         while True:
-            member = self.prefill.pick_prefill()  # raises NoWorkerError when none is left
-            tokens = len(request.prompt_token_ids)
-            member.outstanding_requests += 1
-            member.outstanding_prompt_tokens += tokens
+            plan = self.plan_prefill(request)
+            if plan.route is None:
+                log.debug("%s: prefill on the decode engine (%s)", request.request_id, plan.reason)
+                if plan.reason == "no live prefill engine":
+                    metrics.LOCAL_PREFILL_FALLBACKS.inc()
+                return None, None
+            _routed(request.request_id, plan.route)
+            member = plan.route.member
+            try:
+                return member, await self._prefill(member, request)
+            except RayActorError as err:
+                member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
+
+    async def _prefill(self, member: Member, request: GenerateRequest) -> PrefillResult:
+        async with self.prefill.lease(member, prompt_tokens=len(request.prompt_token_ids)):
             ref = member.actor.prefill.remote(request)
             pending = asyncio.ensure_future(_resolve(ref))
             try:
-                return member, await asyncio.wait_for(asyncio.shield(pending), self.policy.prefill_timeout_s)
+                return await asyncio.wait_for(asyncio.shield(pending), self.policy.prefill_timeout_s)
             except RayActorError:
-                member.alive = False
+                raise  # the actor died: it holds no blocks to free
             except asyncio.TimeoutError:
                 ray.cancel(ref)
                 self._release_when_done(pending)
@@ -264,9 +307,6 @@ class Orchestrator:
                 # decode that never comes until the lease runs out. Let it finish; free them then.
                 self._release_when_done(pending)
                 raise
-            finally:
-                member.outstanding_requests -= 1
-                member.outstanding_prompt_tokens -= tokens
 
     def _release_when_done(self, pending: asyncio.Future[PrefillResult]) -> None:
         def release(done: asyncio.Future[PrefillResult]) -> None:
@@ -281,7 +321,7 @@ class Orchestrator:
 
         async def release() -> None:
             try:
-                member = self.decode.pick_decode()
+                member = self.decode.pick_decode().member
                 await asyncio.wait_for(member.actor.release_transfer.remote(handle), self.policy.release_timeout_s)
             except Exception:  # the lease still frees them; never fail a request over it
                 log.warning("could not release %s on %s early", handle.request_id, handle.engine_id, exc_info=True)
@@ -290,6 +330,11 @@ class Orchestrator:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
+
+
+def _routed(request_id: str, route: RouteDecision) -> None:
+    metrics.ROUTES.labels(route.pool, route.reason).inc()
+    log.debug("%s: %s", request_id, route)
 
 
 def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float, times: list[float]) -> PhaseTimings:

@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from configuration.fields import knob, section
 from configuration.parsers import parse_bytes
 from messages.errors import OverloadedError, client_status
+from messages.membership import ScalingDecision, ScalingOutcome
 from messages.results import GenerationResult
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
@@ -115,8 +116,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             model=self._model,
             max_model_len=limits.max_model_len,
             vocab_size=limits.vocab_size,
-            prefill_actors=sum(m.alive for m in self._orchestrator.prefill.members),
-            decode_actors=sum(m.alive for m in self._orchestrator.decode.members),
+            prefill_actors=len(self._orchestrator.prefill.live),
+            decode_actors=len(self._orchestrator.decode.live),
         )
 
 
@@ -127,8 +128,8 @@ class Membership(Protocol):
     async def refresh(self, poll_timeout_s: float) -> None: ...
 
 
-# (prefill, decode, TP sizes the caller's plan assumes or None) -> new pool sizes.
-Scaler = Callable[[int, int, "tuple[int, int] | None"], Awaitable[tuple[int, int]]]
+# Whoever owns the pools: the controller, or this router's own deployment.
+Scaler = Callable[[ScalingDecision], Awaitable[ScalingOutcome]]
 
 
 class AdminService(pb_grpc.AdminServicer):
@@ -150,17 +151,18 @@ class AdminService(pb_grpc.AdminServicer):
         async with self._resizing:
             try:
                 tp = (request.prefill_tp, request.decode_tp) if request.prefill_tp or request.decode_tp else None
-                prefill, decode = await self._scale(request.prefill, request.decode, tp)
+                outcome = await self._scale(ScalingDecision(request.prefill, request.decode, "Admin.ScalePools", tp))
             except (ValueError, RuntimeError) as err:
                 refusal = str(err)
             else:
+                prefill, decode = outcome.after
                 return pb.PoolSizes(prefill=prefill, decode=decode)
         await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
 
 
 def admission_limits(orchestrator: Orchestrator, front: FrontDoorConfig) -> AdmissionLimits:
     """The decode pool's batch capacity: what its live engines run at once."""
-    live = [m for m in orchestrator.decode.members if m.alive and m.capacity]
+    live = [m for m in orchestrator.decode.live if m.capacity]
     in_flight = front.max_in_flight or max(1, sum(m.capacity.max_num_seqs for m in live))  # type: ignore[union-attr]
     return AdmissionLimits(in_flight, in_flight if front.max_queue is None else front.max_queue)
 

@@ -10,7 +10,7 @@ import asyncio
 import pytest
 
 from controller.planning import PlanningLoop
-from messages.membership import RouterReport
+from messages.membership import RouterReport, ScalingDecision, ScalingOutcome
 from messages.timings import SLO, FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, PlannerConfig
 from planner.model import PerformanceModel
@@ -30,14 +30,14 @@ class _Pools:
     def __init__(self, prefill: int, decode: int, fail: bool = False) -> None:
         self.split = (prefill, decode)
         self.fail = fail
-        self.resizes: list[tuple[int, int]] = []
+        self.resizes: list[ScalingDecision] = []
 
-    async def resize(self, prefill: int, decode: int) -> tuple[int, int]:
-        self.resizes.append((prefill, decode))
+    async def resize(self, decision: ScalingDecision) -> ScalingOutcome:
+        self.resizes.append(decision)
         if self.fail:
             raise RuntimeError("no node offered the bundle")
-        self.split = (prefill, decode)
-        return self.split
+        before, self.split = self.split, (decision.prefill, decision.decode)
+        return ScalingOutcome(decision, before, self.split)
 
 
 def _loop(pools: _Pools, now: list[float]) -> PlanningLoop:
@@ -53,7 +53,8 @@ def test_prefill_heavy_traffic_moves_the_split_toward_prefill():
     now[0] = 60.0
     decision = asyncio.run(loop.step())
     assert decision.current.label == "1P:2D" and decision.changed and decision.recommended.prefill == 2
-    assert pools.resizes == [(2, 1)] and pools.split == (2, 1)
+    assert [(d.prefill, d.decode) for d in pools.resizes] == [(2, 1)] and pools.split == (2, 1)
+    assert pools.resizes[0].reason == f"planner: {decision.reason}"  # why, as the planner said it
     assert loop.changes[0].applied == (2, 1) and loop.changes[0].seconds >= 0
     assert decision.forecast_rate_rps == pytest.approx(4.0, rel=0.05)
 
@@ -93,5 +94,6 @@ def test_a_budget_above_the_running_engines_grows_the_pool_that_needs_it():
     now[0] = 60.0
     decision = asyncio.run(loop.step())
     assert decision.changed and decision.current.label == "1P:2D"
-    (prefill, decode), = pools.resizes
+    (asked,) = pools.resizes
+    prefill, decode = asked.prefill, asked.decode
     assert prefill + decode == 5 and prefill > 1, pools.resizes

@@ -48,7 +48,7 @@ def deployment(ray_cluster, engine_config, reference):
 def test_every_pair_is_handshaken_before_traffic(deployment):
     dep, orchestrator = deployment
     assert set(dep.health.handshakes) == {("prefill-0", "decode-0")}
-    assert all(m.alive for m in orchestrator.prefill.members + orchestrator.decode.members)
+    assert all(m.live for m in orchestrator.prefill.members + orchestrator.decode.members)
 
 
 def test_each_engine_keeps_to_its_own_core(deployment):

@@ -247,7 +247,7 @@ def test_only_prefill_actor_killed_under_load_fails_no_request(door):
         return await asyncio.gather(*tasks)
 
     assert door.call(load) == [24] * 16
-    assert wait_until(lambda: door.dep.prefill.members[0].alive, timeout_s=90)  # restarted and handshaken
+    assert wait_until(lambda: door.dep.prefill.members[0].live, timeout_s=90)  # restarted and handshaken
     assert_no_blocks_held(door.dep, timeout_s=35)
 
 

@@ -1,4 +1,5 @@
-"""Pool health from load polls: a late answer is not a death, a dead actor is.
+"""Pool health from load polls (a late answer is not a death, a dead actor is), the members'
+lifecycle, load leases and pick decisions.
 
 Fast unit tests with stand-in actor handles; the real paths (a killed actor, a SIGSTOPped
 one) run in test_faults.py and test_front_door.py."""
@@ -6,14 +7,17 @@ one) run in test_faults.py and test_front_door.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import time
 
+import pytest
 from ray.exceptions import ActorDiedError
 
+from cluster.pools import LifecycleError, Member, Pool
 from messages.errors import NoWorkerError
+from messages.membership import Lifecycle, MemberState
 from messages.reports import EngineLoad
-from cluster.pools import Member, Pool
 
 LOAD = EngineLoad(running=0, waiting=0, held_for_transfer=0, free_blocks=10, total_blocks=10, engine_id="e1")
 
@@ -38,8 +42,14 @@ class _Actor:
         self.load = _Method(answer)
 
 
+def _live(name: str, actor=None, engine_id: str = "") -> Member:  # noqa: ANN001
+    member = Member(name, actor, engine_id=engine_id)
+    member.mark_live()  # as a handshake leaves it
+    return member
+
+
 def _pool(answer) -> Pool:
-    return Pool("decode", [Member("decode-0", _Actor(answer), alive=True, engine_id="e1")])
+    return Pool("decode", [_live("decode-0", _Actor(answer), engine_id="e1")])
 
 
 def _poll(pool: Pool) -> list[Member]:
@@ -49,9 +59,9 @@ def _poll(pool: Pool) -> list[Member]:
 def test_a_late_load_report_keeps_the_member_until_timeouts_in_a_row():
     pool = _pool("slow")
     for _ in range(pool.timeouts_before_dead - 1):
-        assert _poll(pool) == [] and pool.members[0].alive
+        assert _poll(pool) == [] and pool.members[0].live
     _poll(pool)
-    assert not pool.members[0].alive
+    assert pool.members[0].lifecycle is Lifecycle.DEAD
     try:
         pool.pick_decode()
     except NoWorkerError as err:
@@ -65,21 +75,87 @@ def test_an_answer_resets_the_count_of_late_polls():
     _poll(pool)
     _poll(pool)
     pool.members[0].actor.load.answer = LOAD
-    assert _poll(pool) == [] and pool.members[0].missed_polls == 0 and pool.members[0].alive
+    assert _poll(pool) == [] and pool.members[0].missed_polls == 0 and pool.members[0].live
     pool.members[0].actor.load.answer = "slow"
     _poll(pool)
-    assert pool.members[0].alive
+    assert pool.members[0].live
 
 
 def test_a_dead_actor_leaves_rotation_at_the_first_poll():
     pool = _pool(ActorDiedError())
     _poll(pool)
-    assert not pool.members[0].alive
+    assert pool.members[0].lifecycle is Lifecycle.DEAD
+    pool.members[0].actor.load.answer = LOAD  # back (same engine): handshaken again first
+    assert _poll(pool) == pool.members and pool.members[0].lifecycle is Lifecycle.JOINING
 
 
 def test_a_restarted_engine_rejoins_through_the_caller():
     pool = _pool(dataclasses.replace(LOAD, engine_id="e2"))
-    assert _poll(pool) == pool.members and not pool.members[0].alive  # until handshaken
+    assert _poll(pool) == pool.members and pool.members[0].lifecycle is Lifecycle.JOINING  # until handshaken
+
+
+def test_a_draining_member_is_never_brought_back_by_a_poll():
+    pool = _pool(LOAD)
+    member = pool.members[0]
+    member.mark_draining()
+    member.actor.load.answer = dataclasses.replace(LOAD, engine_id="e2")  # even restarted
+    assert _poll(pool) == [] and member.lifecycle is Lifecycle.DRAINING
+    member.actor.load.answer = ActorDiedError()
+    _poll(pool)
+    assert member.lifecycle is Lifecycle.DRAINING  # dead or not, it is leaving
+
+
+def test_only_a_handshake_makes_a_member_live():
+    for path in ([], ["mark_dead"], ["mark_draining"], ["mark_dead", "mark_draining"]):
+        member = Member("decode-0", None)
+        for step in path:
+            getattr(member, step)(*(["test"] if step == "mark_dead" else []))
+        if member.lifecycle is Lifecycle.JOINING:
+            member.mark_live()
+            assert member.live
+            continue
+        before = member.lifecycle
+        with pytest.raises(LifecycleError, match=f"{before.value} -> live"):
+            member.mark_live()
+        assert member.lifecycle is before  # a refused transition changes nothing
+
+
+def test_the_lifecycle_moves_only_along_its_transitions():
+    member = Member("decode-0", None)
+    assert member.lifecycle is Lifecycle.JOINING and not member.live
+    member.mark_live()
+    member.mark_dead("load poll failed")
+    member.mark_dead("a call failed too")  # one death, reported twice
+    assert member.lifecycle is Lifecycle.DEAD
+    member.mark_joining()  # answers again
+    member.mark_live()
+    member.mark_joining()  # restarted under a new engine id
+    member.mark_draining()  # a resize takes it out before its handshake
+    member.mark_joining()  # moved to the other pool (role switch)
+    assert member.lifecycle is Lifecycle.JOINING
+    with pytest.raises(AttributeError):
+        member.lifecycle = Lifecycle.LIVE  # only the named methods change it
+
+
+def test_a_member_taken_out_during_its_handshake_does_not_become_live():
+    """A resize (or a failed call) may change a joining member while the health poll is
+    still handshaking it: the poll must not make it live afterwards."""
+    from controller.health import PoolHealth
+
+    decode = Pool("decode", [Member("decode-0", _Actor(LOAD))])
+
+    class _Prefill(_Actor):
+        def __init__(self) -> None:
+            super().__init__(dataclasses.replace(LOAD, engine_id="p1"))
+            self.prefill = self
+
+        def remote(self, request):  # noqa: ANN001
+            decode.members[0].mark_draining()  # the resize, while the handshake runs
+            raise RuntimeError("handshake interrupted")
+
+    prefill = Pool("prefill", [_live("prefill-0", _Prefill(), engine_id="p1")])
+    asyncio.run(PoolHealth(prefill, decode).refresh(poll_timeout_s=1))
+    assert decode.members[0].lifecycle is Lifecycle.DRAINING and prefill.members[0].live
 
 
 def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int = 4, requests: int = 40) -> int:
@@ -90,16 +166,24 @@ def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int =
 
     rng = random.Random(seed)
     random.seed(seed)  # each pool's tie-break start: deterministic here
-    pools = [Pool("decode", [Member(f"decode-{i}", None, alive=True) for i in range(actors)]) for _ in range(routers)]
-    for arrival in range(requests):
-        if reports_every and arrival % reports_every == 0:
-            truth = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
-            for pool in pools:
-                for member, running in zip(pool.members, truth):
-                    member.record_load(dataclasses.replace(LOAD, running=running, measured_at=time.time()))
-        pool = pools[rng.randrange(routers)]
-        pool.pick_decode().outstanding_requests += 1
-    totals = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
+    pools = [Pool("decode", [_live(f"decode-{i}") for i in range(actors)]) for _ in range(routers)]
+
+    async def arrive(leases: contextlib.AsyncExitStack) -> list[int]:
+        for arrival in range(requests):
+            if reports_every and arrival % reports_every == 0:
+                truth = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
+                for pool in pools:
+                    for member, running in zip(pool.members, truth):
+                        member.record_load(dataclasses.replace(LOAD, running=running, measured_at=time.time()))
+            pool = pools[rng.randrange(routers)]
+            await leases.enter_async_context(pool.lease(pool.pick_decode().member))  # long-lived: held to the end
+        return [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
+
+    async def route() -> list[int]:
+        async with contextlib.AsyncExitStack() as leases:
+            return await arrive(leases)
+
+    totals = asyncio.run(route())
     return max(totals) - min(totals)
 
 
@@ -117,42 +201,107 @@ def test_routers_picking_alone_unbalance_the_pool_and_load_reports_even_it():
 
 
 def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_poll():
-    from messages.membership import MemberState
+    def state(name: str, running: int, lifecycle: Lifecycle = Lifecycle.LIVE) -> MemberState:
+        return MemberState(name, name, lifecycle, dataclasses.replace(LOAD, running=running, measured_at=time.time()), None)
 
-    def state(name: str, running: int, alive: bool = True) -> MemberState:
-        return MemberState(name, name, alive, False, dataclasses.replace(LOAD, running=running, measured_at=time.time()), None)
+    async def scenario() -> None:
+        pool = Pool("decode")
+        pool.mirror((state("decode-0", 0), state("decode-1", 0)), new_poll=True)
+        first = pool.members[0]
+        async with pool.lease(first), pool.lease(first):  # this router's own requests, started since that poll
+            pool.mirror((state("decode-0", 5), state("decode-1", 1, Lifecycle.DEAD)), new_poll=False)
+            assert pool.members[0] is first and first.outstanding_requests == 2
+            assert first.load.running == 0  # the same poll again: not news
+            assert pool.members[1].lifecycle is Lifecycle.DEAD  # always the controller's latest word
+            pool.mirror((state("decode-0", 5), state("decode-1", 1)), new_poll=False)
+            assert pool.members[1].live  # dead to live, a view apart: what the controller's transitions led to
+            pool.mirror((state("decode-0", 5),), new_poll=True)  # decode-1 left the pool
+            assert [m.name for m in pool.members] == ["decode-0"]
+            assert first.estimated_requests == 5  # the report already counts this router's 2
+            async with pool.lease(first):
+                assert first.estimated_requests == 6
 
-    pool = Pool("decode")
-    pool.mirror((state("decode-0", 0), state("decode-1", 0)), new_poll=True)
-    first = pool.members[0]
-    first.outstanding_requests = 2  # this router's own requests, started since that poll
-    pool.mirror((state("decode-0", 5), state("decode-1", 1, alive=False)), new_poll=False)
-    assert pool.members[0] is first and first.outstanding_requests == 2
-    assert first.load.running == 0  # the same poll again: not news
-    assert not pool.members[1].alive  # liveness is always the controller's latest word
-    pool.mirror((state("decode-0", 5),), new_poll=True)  # decode-1 left the pool
-    assert [m.name for m in pool.members] == ["decode-0"]
-    assert first.estimated_requests == 5  # the report already counts this router's 2
-    first.outstanding_requests += 1
-    assert first.estimated_requests == 6
+    asyncio.run(scenario())
 
 
 def test_a_late_report_still_counts_what_this_router_started_after_it_was_measured():
     """A report reaches a router through the controller up to a poll interval after the
     engine measured it: requests the router started in between are not in it, those it
     started before are, whenever the report arrives."""
-    member = Member("decode-0", None, alive=True)
-    member.outstanding_requests += 1  # started before the measurement: counted in `running`
-    measured_at = time.time()
-    time.sleep(0.001)
-    member.outstanding_requests += 1  # started after it, before the report arrives
-    member.record_load(dataclasses.replace(LOAD, running=4, measured_at=measured_at))  # 3 others' + our first
-    assert member.estimated_requests == 5
-    member.outstanding_requests -= 1  # one of ours finished since
-    assert member.estimated_requests == 4
-    time.sleep(0.001)
-    member.record_load(dataclasses.replace(LOAD, running=4, measured_at=time.time()))  # a newer report has it all
-    assert member.estimated_requests == 4
+    pool = Pool("decode", [_live("decode-0")])
+    member = pool.members[0]
+
+    async def scenario() -> None:
+        async with pool.lease(member):  # started before the measurement: counted in `running`
+            measured_at = time.time()
+            time.sleep(0.001)
+            async with pool.lease(member):  # started after it, before the report arrives
+                member.record_load(dataclasses.replace(LOAD, running=4, measured_at=measured_at))  # 3 others' + our first
+                assert member.estimated_requests == 5
+            assert member.estimated_requests == 4  # one of ours finished since
+            time.sleep(0.001)
+            member.record_load(dataclasses.replace(LOAD, running=4, measured_at=time.time()))  # a newer report has it all
+            assert member.estimated_requests == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_always_gives_back_what_it_counted():
+    pool = Pool("prefill", [_live("prefill-0")])
+    member = pool.members[0]
+
+    async def raises() -> None:
+        async with pool.lease(member, prompt_tokens=100):
+            assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (1, 100)
+            raise RuntimeError("the call failed")
+
+    async def cancelled() -> None:
+        entered = asyncio.Event()
+
+        async def held() -> None:
+            async with pool.lease(member, prompt_tokens=7):
+                entered.set()
+                await asyncio.sleep(60)
+
+        task = asyncio.ensure_future(held())
+        await entered.wait()
+        assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (1, 7)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def stream():  # noqa: ANN202 (a leg's generator that its caller leaves early)
+        async with pool.lease(member, prompt_tokens=3):
+            for token in range(10):
+                yield token
+
+    async def left_early() -> None:
+        tokens = stream()
+        assert await anext(tokens) == 0 and member.outstanding_requests == 1
+        await tokens.aclose()
+
+    with pytest.raises(RuntimeError):
+        asyncio.run(raises())
+    for scenario in (cancelled, left_early):
+        asyncio.run(scenario())
+    assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (0, 0)
+    assert member.estimated_requests == 0
+
+
+def test_a_pick_says_whom_and_why():
+    pool = Pool("decode", [_live("decode-0"), _live("decode-1"), Member("decode-2", None)])
+    pool.members[0].record_load(dataclasses.replace(LOAD, running=3, free_blocks=4))
+    pool.members[1].record_load(dataclasses.replace(LOAD, running=1, free_blocks=8))
+    pick = pool.pick_decode()
+    assert (pick.pool, pick.member.name, pick.reason, pick.live) == ("decode", "decode-1", "least loaded", 2)
+    assert (pick.requests, pick.free_blocks) == (1, 8)
+    assert "decode-1" in str(pick) and "least loaded" in str(pick)
+    pool.members[0].record_load(dataclasses.replace(LOAD, running=1, free_blocks=8))
+    assert pool.pick_decode().reason == "tie, taken in turn"
+    pool.members[0].mark_dead("test")
+    assert pool.pick_decode().reason == "only live member"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        pick.reason = "least loaded"  # type: ignore[misc]
 
 
 def test_a_journal_hands_over_what_finished_since_the_last_report():

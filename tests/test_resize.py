@@ -7,6 +7,7 @@ from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
 
 from controller.deployment import Deployment, DeploymentConfig
+from messages.membership import ScalingDecision
 
 
 @pytest.fixture(scope="module")
@@ -27,9 +28,9 @@ def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):
         )
 
     async def scenario():
-        grow = asyncio.ensure_future(dep.resize(1, 2))
+        grow = asyncio.ensure_future(dep.resize(ScalingDecision(1, 2, "test: grow")))
         during_grow = await traffic("grow", 4)
-        assert await grow == (1, 2)
+        assert (await grow).after == (1, 2)
         assert ("prefill-0", "decode-1") in dep.health.handshakes  # handshaken before traffic
         in_flight = asyncio.ensure_future(traffic("shrink", 6))
         leaving = dep.decode.members[1]
@@ -38,7 +39,7 @@ def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):
                 break
             await asyncio.sleep(0.01)
         assert leaving.outstanding_requests, "no request was routed to the new decode actor"
-        sizes = await dep.resize(1, 1)
+        sizes = (await dep.resize(ScalingDecision(1, 1, "test: shrink"))).after
         return during_grow, await in_flight, sizes
 
     during_grow, during_shrink, sizes = run(scenario())

@@ -19,6 +19,7 @@ import pytest
 from conftest import run, stream_tokens, wait_until
 from reference import PROMPTS
 
+from messages.membership import Lifecycle
 from messages.results import FEED_TIMEOUT_S
 from router.client import build_request
 
@@ -162,7 +163,7 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_c
     assert [(m.name, m.load.engine_id) for m in after.prefill + after.decode] == [
         (m.name, m.load.engine_id) for m in before.prefill + before.decode
     ]  # same engines, none restarted: no router owns them
-    assert all(m.alive for m in after.prefill + after.decode)
+    assert all(m.lifecycle is Lifecycle.LIVE for m in after.prefill + after.decode)
 
     newcomer, address = _router(controller, model_path, "router-c")  # a new router joins
     try:
@@ -291,7 +292,8 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
         for _ in range(150):
             await asyncio.sleep(1)
             view = await controller.view.remote()
-            if len(view.prefill) == 2 and len(view.decode) == 1 and all(m.alive for m in view.prefill):
+            live = all(m.lifecycle is Lifecycle.LIVE for m in view.prefill)
+            if len(view.prefill) == 2 and len(view.decode) == 1 and live:
                 changed = True
                 break
         await asyncio.sleep(3)  # traffic on the new split

@@ -1,0 +1,107 @@
+"""The orchestrator's choices as records: where a leg prefills, what becomes of a stream
+whose decode engine died, and the prefill lease given back however the call ends.
+
+Fast unit tests on stand-in pools and actor handles; the real paths (a killed decode actor
+mid-stream, no live prefill engine) run in test_faults.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import ActorDiedError
+
+from cluster.pools import Member, Pool
+from messages.errors import NoWorkerError
+from messages.membership import Lifecycle
+from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
+from router.orchestrator import Orchestrator, RouterPolicy
+
+REQUEST = GenerateRequest("r-1", tuple(range(1, 17)), SamplingConfig(max_tokens=2))
+
+
+class _Prefill:
+    """`actor.prefill.remote(request)`: answers `outcome` (an exception is raised), or hangs."""
+
+    def __init__(self, outcome) -> None:  # noqa: ANN001
+        self.outcome = outcome
+        self.prefill = self
+        self.calls = 0
+
+    def remote(self, request: GenerateRequest):  # noqa: ANN201
+        self.calls += 1
+
+        async def call():  # noqa: ANN202
+            if self.outcome == "hang":
+                await asyncio.sleep(60)
+            if isinstance(self.outcome, BaseException):
+                raise self.outcome
+            return self.outcome
+
+        return call()
+
+
+def _orchestrator(*prefill_actors, policy: RouterPolicy = RouterPolicy()) -> Orchestrator:  # noqa: ANN002
+    members = [Member(f"prefill-{i}", actor) for i, actor in enumerate(prefill_actors)]
+    for member in members:
+        member.mark_live()
+    decode = Pool("decode", [Member("decode-0", None)])
+    return Orchestrator(Pool("prefill", members), decode, ModelLimits(max_model_len=64, vocab_size=100), policy)
+
+
+def test_where_a_leg_prefills_and_why():
+    remote = _orchestrator(_Prefill("done"))
+    plan = remote.plan_prefill(REQUEST)
+    assert plan.reason == "prefill pool" and plan.route.member.name == "prefill-0"
+    assert plan.route.reason == "only live member"
+    short = GenerateRequest("r-2", (1, 2), SamplingConfig(max_tokens=2))
+    assert remote.plan_prefill(short).route is None and remote.plan_prefill(short).reason == "short prompt"
+    colocated = Orchestrator(Pool("prefill"), Pool("decode"), ModelLimits(64, 100))
+    assert colocated.plan_prefill(REQUEST).reason == "colocated"
+    remote.prefill.members[0].mark_dead("test")
+    assert remote.plan_prefill(REQUEST).reason == "no live prefill engine"  # policy "local": degraded
+    strict = _orchestrator(_Prefill("done"), policy=RouterPolicy(on_prefill_unavailable="fail"))
+    strict.prefill.members[0].mark_dead("test")
+    with pytest.raises(NoWorkerError):
+        strict.plan_prefill(REQUEST)
+
+
+def test_a_dead_decode_engine_migrates_the_stream_until_the_policy_says_fail():
+    orchestrator = _orchestrator(policy=RouterPolicy(max_migrations=2))
+    assert [orchestrator.failover(n).action for n in range(3)] == ["migrate", "migrate", "fail"]
+    assert "max_migrations is 2" in orchestrator.failover(2).reason
+    never = _orchestrator(policy=RouterPolicy(on_decode_failure="fail"))
+    assert never.failover(0).action == "fail" and "policy" in never.failover(0).reason
+
+
+def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
+    dying, healthy = _Prefill(ActorDiedError()), _Prefill("prefilled")
+    orchestrator = _orchestrator(dying, healthy)
+    first, second = orchestrator.prefill.members
+
+    async def scenario():  # noqa: ANN202
+        async with orchestrator.prefill.lease(second, prompt_tokens=1000):  # busier: the dying one goes first
+            return await orchestrator._prefill_or_local(REQUEST)
+
+    member, result = asyncio.run(scenario())
+    assert result == "prefilled" and member is second and (dying.calls, healthy.calls) == (1, 1)
+    assert first.lifecycle is Lifecycle.DEAD
+    assert [(m.outstanding_requests, m.outstanding_prompt_tokens) for m in orchestrator.prefill.members] == [(0, 0)] * 2
+
+
+def test_a_cancelled_prefill_gives_its_lease_back():
+    orchestrator = _orchestrator(_Prefill("hang"))
+    member = orchestrator.prefill.members[0]
+
+    async def scenario() -> None:
+        leg = asyncio.ensure_future(orchestrator._prefill_or_local(REQUEST))
+        while member.outstanding_requests == 0:
+            await asyncio.sleep(0.001)
+        assert member.outstanding_prompt_tokens == len(REQUEST.prompt_token_ids)
+        leg.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await leg
+
+    asyncio.run(scenario())
+    assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (0, 0)
+    assert member.live  # leaving is the client's doing, not the engine's
