@@ -1,8 +1,9 @@
-# The README's two commands. Each sets up a fresh machine first (idempotent, fast when done).
+# The README's two commands (and the fast loop). Each sets up a fresh machine first
+# (idempotent, fast when done).
 VENV ?= .venv
 export PDSERVE_VENV := $(VENV)
 
-.PHONY: install run test bench
+.PHONY: install run test test-fast lint bench
 
 install:
 	bash deploy/install.sh
@@ -10,8 +11,16 @@ install:
 run: install
 	$(VENV)/bin/pdserve demo
 
+# Everything, engines included: what CI runs (.ci/run).
 test: install
 	$(VENV)/bin/python -m pytest -q
+
+# No engine, no Ray, no pdserve process: the tests that answer in seconds.
+test-fast: install
+	$(VENV)/bin/python -m pytest -q -m "not engines"
+
+lint: install
+	$(VENV)/bin/ruff check .
 
 bench: install
 	$(VENV)/bin/python -m bench.disagg_vs_colocated

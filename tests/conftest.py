@@ -10,6 +10,18 @@ import pytest
 
 T = TypeVar("T")
 
+# Modules that start engines without the session's Ray cluster (a `pdserve serve` process,
+# a vLLM engine in the test's own process, a fresh install): `make test-fast` leaves them out.
+ENGINE_MODULES = frozenset({"test_serve_cli", "test_vs_vllm_bench", "test_install", "test_tuner_validation"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test that starts an engine `engines` (`make test-fast` runs the others)."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or module in ENGINE_MODULES:
+            item.add_marker(pytest.mark.engines)
+
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
