@@ -13,6 +13,8 @@ from messages.errors import InvalidRequestError
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
+# vLLM's default max_logprobs (and OpenAI's cap on top_logprobs).
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,9 @@ class SamplingConfig:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    logprobs: int = 0  # top alternatives to return per generated token (0: none)
+    # Per generated token: its logprob and this many top alternatives (0: the token's own
+    # only; None: no logprobs at all).
+    logprobs: int | None = None
 
     def validate(self, limits: ModelLimits) -> None:
         if self.max_tokens < 1:
@@ -50,8 +54,8 @@ class SamplingConfig:
             raise InvalidRequestError(
                 "stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})"
             )
-        if not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):

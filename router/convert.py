@@ -46,7 +46,7 @@ async def decode_request(
         stop=tuple(s.stop),
         stop_token_ids=tuple(s.stop_token_ids),
         ignore_eos=s.ignore_eos,
-        logprobs=s.logprobs,
+        logprobs=s.logprobs or None,  # proto3: 0 is unset
     )
     return GenerateRequest(message.request_id or f"req-{uuid.uuid4().hex}", prompt, sampling)
 

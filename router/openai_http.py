@@ -20,34 +20,55 @@ import socket
 import time
 import uuid
 from dataclasses import asdict
-from typing import Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult, TokenChunk
 from router.admission import AdmissionController
 from router.metrics import REQUESTS
-from router.orchestrator import Orchestrator
 from router.security import Role, TokenTable
+
+if TYPE_CHECKING:
+    from router.orchestrator import Orchestrator
 
 log = logging.getLogger(__name__)
 
-# OpenAI's defaults where they differ from pdserve's gRPC ones.
-DEFAULT_MAX_TOKENS = 16
+# OpenAI's default where it differs from pdserve's gRPC one (max_tokens: vLLM's models hold
+# OpenAI's, 16 for completions, the context's end for chat).
 DEFAULT_TEMPERATURE = 1.0
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None):
+    """An answer in OpenAI's error shape: `code` is a string or null (never the HTTP status,
+    which the status line carries), `param` names the request field at fault."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        headers: dict | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
+        self.code = code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
-        return JSONResponse(body, status_code=self.status, headers=self.headers)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def invalid(message: str, param: str | None = None) -> HTTPError:
+    return HTTPError(400, message, "invalid_request_error", param)
 
 
 class OpenAIFront:
@@ -78,6 +99,24 @@ class OpenAIFront:
             REQUESTS.labels(_OUTCOMES.get(err.status, "internal")).inc()
             return err.response()
 
+        @app.exception_handler(StarletteHTTPException)
+        async def route_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+            # Unknown routes and methods in OpenAI's shape too, not FastAPI's {"detail": ...}.
+            where = f"{request.method} {request.url.path}"
+            if err.status_code == 404:
+                message = f"no route {where}: this server has {', '.join(_ROUTES)}"
+            elif err.status_code == 405:
+                message = f"{request.url.path} does not take {request.method}"
+            else:  # pragma: no cover (the app raises no other)
+                message = str(err.detail)
+            return HTTPError(err.status_code, message, "invalid_request_error", headers=err.headers).response()
+
+        @app.exception_handler(Exception)
+        async def unexpected(request: Request, err: Exception) -> JSONResponse:
+            log.error("%s %s failed", request.method, request.url.path, exc_info=err)
+            REQUESTS.labels("internal").inc()
+            return HTTPError(500, "internal error; the router's log has details", "server_error").response()
+
         @app.get("/health")
         async def health() -> JSONResponse:
             serving = self._orchestrator.decode.has_live_member and not self._admission.draining
@@ -96,18 +135,18 @@ class OpenAIFront:
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
             self._authorize(request)
-            body = self._parse(CompletionRequest, await request.body())
+            body = self._parse(CompletionRequest, request, await request.body())
             prompt = await self._completion_prompt(body)
-            return await self._respond(body, prompt, _CompletionShape(self.model_name))
+            return await self._respond(request, body, prompt, _CompletionShape(self.model_name))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
             from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
             self._authorize(request)
-            body = self._parse(ChatCompletionRequest, await request.body())
+            body = self._parse(ChatCompletionRequest, request, await request.body())
             prompt = await asyncio.to_thread(self._chat_prompt, body)
-            return await self._respond(body, prompt, _ChatShape(self.model_name))
+            return await self._respond(request, body, prompt, _ChatShape(self.model_name))
 
         return app
 
@@ -119,25 +158,45 @@ class OpenAIFront:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         role = self._tokens.role_of(token) if scheme.lower() == "bearer" and token else None
         if role is None:
-            raise HTTPError(401, "send 'Authorization: Bearer <token>'", "authentication_error")
+            raise HTTPError(401, "send 'Authorization: Bearer <token>'", "authentication_error", code="invalid_api_key")
         if role not in (Role.GENERATE, Role.ADMIN):  # pragma: no cover (every role may generate today)
             raise HTTPError(403, "this token may not generate", "permission_error")
 
-    def _parse(self, model: type, raw: bytes) -> Any:
+    def _parse(self, model: type, request: Request, raw: bytes) -> Any:
+        """The body as vLLM's request model; every way it can be malformed is a 400 naming
+        the field (vLLM's own validators raise VLLMValidationError, which pydantic does not
+        wrap: unhandled, it was a 500)."""
         from pydantic import ValidationError
+        from vllm.exceptions import VLLMValidationError
 
+        media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+        if media != "application/json" and not media.endswith("+json"):
+            raise HTTPError(
+                415, f"Content-Type {media or '(none)'}: send the body as JSON with 'Content-Type: application/json'",
+                "invalid_request_error", code="unsupported_media_type",
+            )  # fmt: skip
         if len(raw) > self._max_prompt_bytes + 65536:
             raise HTTPError(413, f"request body of {len(raw):,} bytes is too large", "invalid_request_error")
         try:
             body = model.model_validate_json(raw)
         except ValidationError as err:
-            first = err.errors()[0]
-            field = ".".join(str(p) for p in first["loc"]) or None
-            raise HTTPError(400, f"{field}: {first['msg']}", "invalid_request_error", field) from None
+            first = err.errors(include_url=False)[0]
+            loc = first["loc"]
+            # pydantic's location names union members too ("list[constrained-int]"): keep fields
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc if isinstance(p, int) or p.isidentifier())
+            where = where.lstrip(".")
+            raise invalid(f"{where or 'request body'}: {first['msg']}", str(loc[0]) if loc else None) from None
+        except VLLMValidationError as err:
+            raise invalid(f"{err.parameter or 'request body'}: {err.args[0]}", err.parameter) from None
+        except (TypeError, AttributeError, KeyError) as err:  # a vLLM validator tripped on a value's type
+            raise invalid(f"request body: a field has a value of the wrong type ({err})") from None
         if body.model and body.model != self.model_name:
-            raise HTTPError(404, f"model {body.model!r} is not served here: use {self.model_name!r}", "not_found_error", "model")
+            raise HTTPError(
+                404, f"model {body.model!r} is not served here: use {self.model_name!r}", "invalid_request_error",
+                "model", code="model_not_found",
+            )  # fmt: skip
         if (body.n or 1) != 1:
-            raise HTTPError(400, "n: pdserve returns one choice per request", "invalid_request_error", "n")
+            raise invalid("n: pdserve returns one choice per request", "n")
         return body
 
     async def _completion_prompt(self, body: Any) -> tuple[int, ...]:
@@ -146,26 +205,36 @@ class OpenAIFront:
             prompt = prompt[0]  # a batch of one
         if isinstance(prompt, str):
             if len(prompt.encode()) > self._max_prompt_bytes:
-                raise HTTPError(400, f"prompt: at most {self._max_prompt_bytes:,} bytes", "invalid_request_error", "prompt")
+                raise invalid(f"prompt: at most {self._max_prompt_bytes:,} bytes", "prompt")
             return tuple(await asyncio.to_thread(self._tokenizer.encode, prompt))
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return tuple(prompt)
-        raise HTTPError(400, "prompt: one string or one list of token ids per request", "invalid_request_error", "prompt")
+        raise invalid("prompt: one string or one list of token ids per request", "prompt")
 
     def _chat_prompt(self, body: Any) -> tuple[int, ...]:
+        from jinja2 import TemplateError
+
         if not getattr(self._tokenizer, "chat_template", None):
-            raise HTTPError(400, f"model {self.model_name} has no chat template: use /v1/completions", "invalid_request_error")
+            raise invalid(f"model {self.model_name} has no chat template: use /v1/completions")
+        if not body.messages:
+            raise invalid("messages: give at least one message", "messages")
         messages = [dict(m) if not isinstance(m, dict) else m for m in body.messages]
         size = len(json.dumps(messages, default=str).encode())
         if size > self._max_prompt_bytes:
-            raise HTTPError(400, f"messages: at most {self._max_prompt_bytes:,} bytes", "invalid_request_error", "messages")
-        text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            raise invalid(f"messages: at most {self._max_prompt_bytes:,} bytes", "messages")
+        try:
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except TemplateError as err:  # the model's template refuses them (a role it does not know, ...)
+            raise invalid(f"messages: the model's chat template refused them: {err}", "messages") from None
         return tuple(self._tokenizer.encode(text, add_special_tokens=False))
 
-    def _sampling(self, body: Any, shape: "_Shape") -> SamplingConfig:
+    def _sampling(self, body: Any, shape: "_Shape", prompt_tokens: int) -> SamplingConfig:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        max_tokens = shape.max_tokens(body)
+        if max_tokens is None:  # chat: up to the context's end, as vLLM and OpenAI do
+            max_tokens = max(1, self._orchestrator.limits.max_model_len - prompt_tokens)
         return SamplingConfig(
-            max_tokens=shape.max_tokens(body) or DEFAULT_MAX_TOKENS,
+            max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             top_k=max(0, body.top_k or 0),
@@ -178,17 +247,19 @@ class OpenAIFront:
 
     # --- response --------------------------------------------------------------------------
 
-    async def _respond(self, body: Any, prompt: tuple[int, ...], shape: "_Shape") -> Any:
-        request = GenerateRequest(f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape))
+    async def _respond(self, http: Request, body: Any, prompt: tuple[int, ...], shape: "_Shape") -> Any:
+        request = GenerateRequest(f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape, len(prompt)))
         try:
             request.validate(self._orchestrator.limits)
-        except InvalidRequestError as err:
-            raise HTTPError(400, str(err), "invalid_request_error", err.field) from None
+        except InvalidRequestError as err:  # the one validation both fronts share, in this body's names
+            param = shape.param(err.field, body)
+            raise invalid(f"{param}: {err.message}", param) from None
         slot = self._admission.admitted()
         try:
             await slot.__aenter__()
         except OverloadedError as err:
-            raise HTTPError(429, str(err), "rate_limit_error", headers={"Retry-After": str(max(1, round(err.retry_after_s)))}) from None
+            retry = {"Retry-After": str(max(1, round(err.retry_after_s)))}
+            raise HTTPError(429, str(err), "rate_limit_error", headers=retry, code="rate_limit_exceeded") from None
         except DrainingError as err:
             raise HTTPError(503, str(err), "service_unavailable") from None
         events = self._events(request, slot)
@@ -197,14 +268,19 @@ class OpenAIFront:
             shape.chunk(None, None)  # builds the chunk template while prefill runs, off the first token's path
             first = await _first_or_error(events)
             return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream")
-        text, tokens, result = "", 0, None
-        async for event in events:
-            if isinstance(event, GenerationResult):
-                result = event
-            else:
-                text += event.text
-                tokens += len(event.token_ids)
-        assert result is not None
+        # Not streamed: nothing is written until the end, so watch the connection instead; a
+        # client that leaves aborts the request on whichever engine holds it.
+        whole = asyncio.ensure_future(_collect(events))
+        left = asyncio.ensure_future(_disconnected(http))
+        await asyncio.wait((whole, left), return_when=asyncio.FIRST_COMPLETED)
+        if not whole.done():
+            whole.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await whole
+            log.info("request %s: the client left; aborted", request.request_id)
+            return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
+        left.cancel()
+        text, result = whole.result()
         return JSONResponse(shape.whole(text, result))
 
     async def _events(self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager) -> AsyncIterator[Any]:
@@ -213,8 +289,8 @@ class OpenAIFront:
         try:
             async for event in self._orchestrator.generate(request):
                 yield event
-        except InvalidRequestError as err:
-            raise HTTPError(400, str(err), "invalid_request_error", err.field) from None
+        except InvalidRequestError as err:  # an engine's own check (vLLM's SamplingParams)
+            raise invalid(str(err), err.field) from None
         except tuple(UNAVAILABLE) as err:
             log.warning("request %s: %s", request.request_id, err)
             message = next(text for kind, text in UNAVAILABLE.items() if isinstance(err, kind))
@@ -223,13 +299,32 @@ class OpenAIFront:
             raise
         except Exception:
             log.exception("request %s failed", request.request_id)
-            raise HTTPError(500, f"internal error serving {request.request_id}; the router's log has details", "internal_error") from None
+            raise HTTPError(500, f"internal error serving {request.request_id}; the router's log has details", "server_error") from None
         finally:
             await slot.__aexit__(None, None, None)
 
 
 _OUTCOMES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 413: "invalid_argument",
-             429: "resource_exhausted", 500: "internal", 503: "unavailable"}
+             415: "invalid_argument", 429: "resource_exhausted", 500: "internal", 503: "unavailable"}
+_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
+
+
+async def _collect(events: AsyncIterator[Any]) -> tuple[str, GenerationResult]:
+    text, result = "", None
+    async for event in events:
+        if isinstance(event, GenerationResult):
+            result = event
+        else:
+            text += event.text
+    assert result is not None
+    return text, result
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client has closed its connection (the body is read by now, so the
+    server's next message for this request is the disconnect)."""
+    while (await http.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _first_or_error(events: AsyncIterator[Any]) -> Any:
@@ -261,6 +356,15 @@ def _usage(result: GenerationResult) -> Any:
     )
 
 
+def _deprecated_max_tokens(body: Any) -> int | None:
+    """Chat's `max_tokens`, which OpenAI deprecated for max_completion_tokens but clients send."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return body.max_tokens
+
+
 def _sse(payload: Any) -> bytes:
     data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n".encode()
@@ -280,8 +384,12 @@ class _Shape:
     def max_tokens(self, body: Any) -> int | None:
         return body.max_tokens
 
-    def logprobs(self, body: Any) -> int:
-        return 0
+    def logprobs(self, body: Any) -> int | None:
+        return body.logprobs
+
+    def param(self, field_name: str, body: Any) -> str:  # noqa: ARG002
+        """The request field a SamplingConfig/GenerateRequest field came from."""
+        return "prompt" if field_name == "prompt_token_ids" else field_name
 
     def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
         """One stream chunk. vLLM's model builds (and validates) the chunk once per stream;
@@ -320,7 +428,7 @@ class _Shape:
                 yield _sse(self.chunk(event, None))
                 event = await anext(events)
         except HTTPError as err:  # mid-stream: the status line is sent, say it in the stream
-            yield _sse({"error": {"message": err.message, "type": err.kind, "param": err.param, "code": err.status}})
+            yield _sse(err.body())
         finally:  # the client left, or the stream ended: abort and free the slot now, not at GC
             await events.aclose()
         yield _sse("[DONE]")
@@ -350,7 +458,15 @@ class _ChatShape(_Shape):
     prefix = "chatcmpl"
 
     def max_tokens(self, body: Any) -> int | None:
-        return body.max_completion_tokens or body.max_tokens
+        return body.max_completion_tokens if body.max_completion_tokens is not None else _deprecated_max_tokens(body)
+
+    def logprobs(self, body: Any) -> int | None:
+        return body.top_logprobs or 0 if body.logprobs else None
+
+    def param(self, field_name: str, body: Any) -> str:
+        if field_name == "max_tokens" and body.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        return {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}.get(field_name, field_name)
 
     def empty_chunk(self) -> dict[str, Any]:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -359,11 +475,21 @@ class _ChatShape(_Shape):
             ChatCompletionStreamResponse,
         )
 
-        choices = [ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""))]
+        choices = [ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=""))]
         return ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
 
     def fill(self, choice: dict[str, Any], text: str | None) -> None:
-        choice["delta"] = {**choice["delta"], "content": text} if text is not None else {}
+        # Only the fields a delta sets, as vLLM sends them (exclude_unset); the role in the
+        # first delta only, as OpenAI does.
+        if text is None:
+            choice["delta"] = {}
+        elif self._role_sent:
+            choice["delta"] = {"content": text}
+        else:
+            choice["delta"] = {"role": "assistant", "content": text}
+            self._role_sent = True
+
+    _role_sent = False
 
     def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import (

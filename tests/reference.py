@@ -82,7 +82,7 @@ UNMATCHED_STOP = ("\u00a7\u00a7",)
 
 
 def make_request(
-    name: str, request_id: str | None = None, logprobs: int = 0, stop: tuple[str, ...] = ()
+    name: str, request_id: str | None = None, logprobs: int | None = None, stop: tuple[str, ...] = ()
 ) -> GenerateRequest:
     sampling = SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs, stop=stop)
     return GenerateRequest(request_id or name, {**PROMPTS, **TP2_PROMPTS}[name], sampling)

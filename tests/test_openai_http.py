@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
 import httpx
 import openai
 import pytest
-from conftest import ServedStack, assert_no_blocks_held
+from conftest import ServedStack, _engines_idle, assert_no_blocks_held, wait_until
 
 from controller.deployment import Deployment, DeploymentConfig
 
@@ -68,6 +69,7 @@ def test_errors_map_to_openai_status_codes(client):
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=5.0)
     assert err.value.status_code == 400 and "temperature" in str(err.value)
+    assert err.value.body["param"] == "temperature" and err.value.body["code"] is None  # OpenAI: a string or null
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=100_000)
     with pytest.raises(openai.NotFoundError):
@@ -86,6 +88,56 @@ def test_client_disconnect_mid_stream_frees_the_blocks(served):
             if events == 5:
                 break  # leave: the connection closes here
     assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_client_leaving_a_request_that_is_not_streamed_aborts_it(served):
+    """Nothing is written to a non-streamed request until it ends, so the front watches the
+    connection: closing it frees the request's blocks on every engine within a second."""
+    import socket
+    import time
+
+    host, port = served.http.address.rsplit(":", 1)
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head.encode() + body)
+        assert wait_until(lambda: not _engines_idle(served.dep), 30), "the request never started"
+        time.sleep(0.5)  # decoding now
+    left = time.monotonic()
+    assert_no_blocks_held(served.dep, timeout_s=5)
+    assert time.monotonic() - left < 1.5
+
+
+def test_hostile_bodies_get_no_5xx_and_the_server_keeps_serving(served):
+    """Generated bodies of both endpoints against the real 1P+1D deployment (the fast,
+    many-example run is tests/test_openai_edges.py): no 5xx but 503/429, none hangs, and
+    the server serves normally afterwards."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from test_openai_edges import CHAT, COMPLETIONS, assert_openai_error, bodies
+
+    base = f"http://{served.http.address}"
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=60, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from([COMPLETIONS, CHAT]).flatmap(lambda path: st.tuples(st.just(path), bodies(path, MODEL))))
+    def check(case):
+        path, body = case
+        for key in ("max_tokens", "max_completion_tokens"):  # short answers (chat's default: the context's end)
+            if type(body.get(key)) is int and body[key] > 4:
+                body[key] = 4
+        body.setdefault("max_tokens", 4)
+        response = httpx.post(base + path, content=json.dumps(body, allow_nan=True), timeout=60,
+                              headers={"content-type": "application/json"})  # fmt: skip
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        if response.status_code != 200:
+            assert_openai_error(response, response.status_code)
+            assert response.status_code < 500 or response.status_code in (503, 429), response.text
+
+    check()
+    assert statuses.get(200, 0) > 5 and statuses.get(400, 0) > 5, statuses
+    assert httpx.get(base + "/health").json() == {"status": "ok"}
+    assert_no_blocks_held(served.dep)
 
 
 def test_vllm_bench_serve_runs_a_poisson_benchmark_with_goodput(served, model_path, tmp_path):

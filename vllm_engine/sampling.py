@@ -26,7 +26,7 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         stop=list(sampling.stop),
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
-        logprobs=sampling.logprobs or None,
+        logprobs=sampling.logprobs,
     )
     fields.update(overrides)
     try:

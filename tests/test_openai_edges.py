@@ -1,0 +1,290 @@
+"""The OpenAI HTTP front's edges without engines: error shapes, refusals of malformed bodies
+(400 naming the field, never 500), media types, unknown routes, the chat stream's deltas,
+and a property test of both endpoints' bodies. An in-process fake orchestrator validates
+each request exactly as the real one does (messages/requests.py) and builds vLLM's own
+SamplingParams from it, so vLLM's checks run too."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import httpx
+import pytest
+
+from messages.requests import ModelLimits
+from messages.results import GenerationResult, TokenChunk
+from messages.timings import LatencySummary, PhaseTimings
+from messages.transfer import TransferBytes
+from router.admission import AdmissionController, AdmissionLimits
+from router.openai_http import OpenAIFront
+
+MODEL = "edge-model"
+LIMITS = ModelLimits(max_model_len=512, vocab_size=2048, min_prompt_tokens=2)
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Why split prefill from decode?"}]
+
+
+class _Pool:
+    has_live_member = True
+
+
+class FakeOrchestrator:
+    """Streams three tokens (with logprobs when asked) after the real checks."""
+
+    limits = LIMITS
+    decode = _Pool()
+
+    def __init__(self) -> None:
+        self.requests: list[Any] = []
+
+    async def generate(self, request):
+        from vllm_engine.sampling import sampling_params
+
+        request.validate(self.limits)
+        sampling_params(request.sampling)  # vLLM's own checks, as the engines run them
+        self.requests.append(request)
+        n = min(3, request.sampling.max_tokens)
+        for i in range(n):
+            top = ()
+            if request.sampling.logprobs is not None:
+                top = (tuple((7 + i + k, -0.1 * (k + 1)) for k in range(max(1, request.sampling.logprobs))),)
+            yield TokenChunk((7 + i,), f" w{i}", "length" if i == n - 1 else None, top)
+        timings = PhaseTimings(0, 0, 0, 0, LatencySummary.of([]), 0, 0, TransferBytes(0, 0))
+        yield GenerationResult("length", len(request.prompt_token_ids), n, timings, "prefill-0", "decode-0")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@pytest.fixture
+def front(tokenizer):
+    orchestrator = FakeOrchestrator()
+    admission = AdmissionController(lambda: AdmissionLimits(8, 8))
+    return OpenAIFront(orchestrator, tokenizer, MODEL, admission, max_prompt_bytes=32 * LIMITS.max_model_len)
+
+
+def _post(front, path: str, body: Any, content_type: str = "application/json") -> httpx.Response:
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=front.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            raw = body if isinstance(body, (str, bytes)) else json.dumps(body)
+            return await client.post(path, content=raw, headers={"content-type": content_type})
+
+    return asyncio.run(send())
+
+
+def _get(front, path: str) -> httpx.Response:
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=front.app, raise_app_exceptions=False)
+        async with httpx.AsyncClient(transport=transport, base_url="http://front") as client:
+            return await client.get(path)
+
+    return asyncio.run(send())
+
+
+def assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["code"] is None or isinstance(error["code"], str)
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+        assert param in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        (COMPLETIONS, {}, "prompt"),
+        (COMPLETIONS, {"prompt": ""}, "prompt"),
+        (COMPLETIONS, {"prompt": []}, "prompt"),
+        (COMPLETIONS, {"prompt": 5}, "prompt"),
+        (COMPLETIONS, {"prompt": [[1, 2], [3, 4]]}, "prompt"),
+        (COMPLETIONS, {"prompt": [[[1]]]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
+        (COMPLETIONS, {"prompt": "a b c", "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "a b c", "n": "two"}, "n"),
+        (COMPLETIONS, {"prompt": "a b c", "temperature": "hot"}, "temperature"),
+        (COMPLETIONS, {"prompt": "a b c", "top_p": 0}, "top_p"),
+        (COMPLETIONS, {"prompt": "a b c", "stream_options": {"include_usage": True}}, "stream_options"),
+        (COMPLETIONS, {"prompt": "a b c", "max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "a b c", "max_tokens": -1}, "max_tokens"),
+        (COMPLETIONS, {"prompt": "a b c", "max_tokens": 10_000}, "prompt"),
+        (COMPLETIONS, {"prompt": "a b c", "logprobs": 21}, "logprobs"),
+        (COMPLETIONS, {"prompt": "a b c", "logprobs": -1}, "logprobs"),
+        (COMPLETIONS, {"prompt": "a b c", "logprobs": "3"}, "logprobs"),
+        (COMPLETIONS, {"prompt": "a b c", "seed": 2**70}, "seed"),
+        (COMPLETIONS, {"prompt": "a b c", "stop": [""]}, "stop"),
+        (COMPLETIONS, {"prompt": "a b c", "stop_token_ids": [5000]}, "stop_token_ids"),
+        (COMPLETIONS, {"prompt": "a b c", "model": 3}, "model"),
+        (CHAT, {}, "messages"),
+        (CHAT, {"messages": []}, "messages"),
+        (CHAT, {"messages": "hello"}, "messages"),
+        (CHAT, {"messages": [{"content": "no role"}]}, "messages"),
+        (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
+        (CHAT, {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
+        (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
+        (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
+        (CHAT, {"messages": MESSAGES, "n": 3}, "n"),
+    ],
+)
+def test_malformed_body_is_400_naming_the_field(front, path, body, param):
+    assert_openai_error(_post(front, path, body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ['{"prompt": "a b c", "temperature": NaN}', '{"prompt": "a b c", "top_p": Infinity}', '{"prompt": "a', "[]", "null", ""],
+)
+def test_body_that_is_not_a_request_object_is_400(front, raw):
+    assert_openai_error(_post(front, COMPLETIONS, raw), 400)
+
+
+def test_n_given_as_a_whole_float_is_one_choice(front):
+    response = _post(front, COMPLETIONS, {"prompt": "a b c", "n": 1.0, "max_tokens": 2})
+    assert response.status_code == 200 and len(response.json()["choices"]) == 1
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_body_not_sent_as_json_is_415(front, content_type):
+    error = assert_openai_error(_post(front, COMPLETIONS, {"prompt": "a b c"}, content_type), 415)
+    assert "application/json" in error["message"] and error["code"] == "unsupported_media_type"
+
+
+def test_json_with_a_charset_is_accepted(front):
+    assert _post(front, COMPLETIONS, {"prompt": "a b c", "max_tokens": 2}, "application/json; charset=utf-8").status_code == 200
+
+
+def test_unknown_route_and_method_answer_in_openai_shape(front):
+    error = assert_openai_error(_post(front, "/v1/embeddings", {"input": "x"}), 404)
+    assert "/v1/completions" in error["message"]  # says what is there
+    assert_openai_error(_get(front, "/nope"), 404)
+    assert_openai_error(_get(front, COMPLETIONS), 405)
+    assert_openai_error(_post(front, "/v1/models", {}), 405)
+
+
+def test_unknown_model_is_404_model_not_found(front):
+    error = assert_openai_error(_post(front, COMPLETIONS, {"model": "gpt-4", "prompt": "a b c"}), 404, "model")
+    assert error["code"] == "model_not_found" and MODEL in error["message"]
+
+
+def test_chat_without_max_tokens_runs_to_the_context_end(front):
+    response = _post(front, CHAT, {"messages": MESSAGES})
+    assert response.status_code == 200
+    request = front._orchestrator.requests[-1]
+    assert request.sampling.max_tokens == LIMITS.max_model_len - len(request.prompt_token_ids)
+
+
+def _events(response: httpx.Response) -> list[Any]:
+    lines = [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_chat_stream_carries_the_role_in_the_first_delta_only(front):
+    body = {"messages": MESSAGES, "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    chunks = [c for c in _events(_post(front, CHAT, body)) if c["choices"]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0] == {"role": "assistant", "content": " w0"}
+    assert all("role" not in d for d in deltas[1:]), deltas
+    assert "".join(d.get("content", "") for d in deltas) == " w0 w1 w2"
+
+
+def bodies(path: str, model: str = MODEL):
+    """Bodies a careless or hostile client sends: a valid request, some of whose fields (and
+    some unknown ones) take values of every type, nested, out of range."""
+    from hypothesis import strategies as st
+
+    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20))
+    hostile = st.recursive(
+        scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=6,
+    )  # fmt: skip
+    small = st.integers(0, 21)  # edges included: 0 and 21 are refused where they are out of range
+    text = st.one_of(st.sampled_from(["Prefill makes the state", "decode consumes it", "Why?"]), st.text(max_size=40))
+    message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "x"]), "content": text})
+    plausible = {
+        "model": st.just(model),
+        "prompt": st.one_of(text, st.lists(st.integers(-3, 3000), max_size=8)),
+        "messages": st.lists(message, min_size=1, max_size=3),
+        "max_tokens": small,
+        "max_completion_tokens": small,
+        "n": st.sampled_from([1, 1.0, 1, 2]),
+        "temperature": st.floats(0, 2.01),
+        "top_p": st.floats(0, 1),
+        "top_k": small,
+        "logprobs": st.one_of(small, st.booleans()),
+        "top_logprobs": small,
+        "stream": st.booleans(),
+        "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+        "stop": st.one_of(st.text(max_size=5), st.lists(st.text(max_size=5), max_size=3)),
+        "stop_token_ids": st.lists(st.integers(-3, 3000), max_size=3),
+        "seed": st.integers(-(2**64), 2**64),
+        "ignore_eos": st.booleans(),
+        "user": st.text(max_size=5),
+    }
+    def mostly(value):  # one value in eight hostile
+        return st.integers(0, 7).flatmap(lambda k: hostile if k == 0 else value)
+
+    fields = {name: mostly(value) for name, value in plausible.items()}
+    key = "prompt" if path == COMPLETIONS else "messages"
+    required = {key: fields.pop(key)}
+    return st.fixed_dictionaries(required, optional=fields).map(_consistent)
+
+
+def _consistent(body: dict) -> dict:
+    """Mostly the combinations a client means: stream options with a stream, top_logprobs with
+    logprobs (where the other is not set at all: explicit conflicts stay)."""
+    if isinstance(body.get("stream_options"), dict) and "stream" not in body:
+        body["stream"] = True
+    if type(body.get("top_logprobs")) is int and "logprobs" not in body and "messages" in body:
+        body["logprobs"] = True
+    return body
+
+
+def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
+    """Hypothesis-generated bodies for both endpoints: every answer is a 200 or an OpenAI
+    error below 500 (the fake engines are never overloaded or down, so no 503/429 either)."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    statuses: dict[int, int] = {}
+
+    @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(st.sampled_from([COMPLETIONS, CHAT]).flatmap(lambda path: st.tuples(st.just(path), bodies(path))), st.integers(0, 9))
+    def check(case, cut):
+        path, body = case
+        raw = json.dumps(body, allow_nan=True)
+        if cut == 0:  # one in ten is not JSON at all
+            raw = raw[:-1]
+        response = _post(front, path, raw)
+        statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        if response.status_code != 200:
+            assert_openai_error(response, response.status_code)
+            assert response.status_code < 500, response.text
+        elif body.get("stream") is True:
+            _events(response)
+        else:
+            assert response.json()["choices"]
+
+    check()
+    assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 0, statuses
+    assert _get(front, "/health").json() == {"status": "ok"}
+    assert _post(front, COMPLETIONS, {"prompt": "a b c", "max_tokens": 2}).status_code == 200
+
+
+def test_floats_out_of_range_name_the_field(front):
+    for field in ("temperature", "top_p"):
+        for value in (-1.0, 3.0, math.inf):
+            body = json.dumps({"prompt": "a b c", field: value}, allow_nan=True)
+            assert_openai_error(_post(front, COMPLETIONS, body), 400, field)
