@@ -9,7 +9,7 @@ others' requests (tests/test_pools.py measures the imbalance without it).
 A member's `Lifecycle` changes only through its `mark_*` methods, which refuse illegal
 transitions; the pools' owner (controller/) makes the transitions of record, a router's
 mirror copies them (`Pool.mirror`). A request's share of a member's load is counted by
-`async with pool.lease(member)`, and every pick returns a `RouteDecision`.
+`async with pool.in_flight(member)`, and every pick returns a `RouteDecision`.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Member:
     name: str
     actor: Any  # Ray actor handle
     _lifecycle: Lifecycle = field(default=JOINING, init=False)  # read `lifecycle`, change by mark_*
-    _outstanding: int = field(default=0, init=False)  # this router's leases on it
+    _outstanding: int = field(default=0, init=False)  # this router's requests in flight on it
     _prompt_tokens: int = field(default=0, init=False)  # their prompt tokens
     load: EngineLoad | None = None
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
@@ -111,7 +111,7 @@ class Member:
         return self._prompt_tokens
 
     def _count(self, requests: int, prompt_tokens: int) -> None:
-        """Only `Lease` calls this: every +1 is paired with its -1."""
+        """Only `InFlight` calls this: every +1 is paired with its -1."""
         self._changes.append((time.time(), requests))
         self._outstanding += requests
         self._prompt_tokens += prompt_tokens
@@ -134,7 +134,7 @@ class Member:
 
 
 @dataclass(frozen=True, slots=True)
-class Lease:
+class InFlight:
     """One request's share of a member's load, counted from entry to exit whatever ends it
     (an error, a cancellation, a client that left)."""
 
@@ -214,10 +214,10 @@ class Pool:
             member.load.free_blocks if member.load else None,
         )
 
-    def lease(self, member: Member, prompt_tokens: int = 0) -> Lease:
-        """`async with pool.lease(member, prompt_tokens=...)`: counts one request (and its
+    def in_flight(self, member: Member, prompt_tokens: int = 0) -> InFlight:
+        """`async with pool.in_flight(member, prompt_tokens=...)`: counts one request (and its
         prompt tokens) on `member` while the block runs, and always takes it back."""
-        return Lease(member, prompt_tokens)
+        return InFlight(member, prompt_tokens)
 
     @property
     def live(self) -> list[Member]:

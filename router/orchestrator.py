@@ -227,7 +227,7 @@ class Orchestrator:
         first: TokenChunk | None,
     ) -> AsyncIterator[TokenChunk]:
         """Stream the decode leg; `first` (prefill's token) goes out while the leg starts."""
-        async with self.decode.lease(member):
+        async with self.decode.in_flight(member):
             feed = self._feed(member)
             inbox = feed.open_leg(request.request_id)
             started = finished = False
@@ -288,7 +288,7 @@ class Orchestrator:
                 member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
 
     async def _prefill(self, member: Member, request: GenerateRequest) -> PrefillResult:
-        async with self.prefill.lease(member, prompt_tokens=len(request.prompt_token_ids)):
+        async with self.prefill.in_flight(member, prompt_tokens=len(request.prompt_token_ids)):
             ref = member.actor.prefill.remote(request)
             pending = asyncio.ensure_future(_resolve(ref))
             try:

@@ -1,5 +1,5 @@
 """The orchestrator's choices as records: where a leg prefills, what becomes of a stream
-whose decode engine died, and the prefill lease given back however the call ends.
+whose decode engine died, and the prefill's in-flight count undone however the call ends.
 
 Fast unit tests on stand-in pools and actor handles; the real paths (a killed decode actor
 mid-stream, no live prefill engine) run in test_faults.py."""
@@ -80,7 +80,7 @@ def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
     first, second = orchestrator.prefill.members
 
     async def scenario():  # noqa: ANN202
-        async with orchestrator.prefill.lease(second, prompt_tokens=1000):  # busier: the dying one goes first
+        async with orchestrator.prefill.in_flight(second, prompt_tokens=1000):  # busier: the dying one goes first
             return await orchestrator._prefill_or_local(REQUEST)
 
     member, result = asyncio.run(scenario())
@@ -89,7 +89,7 @@ def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
     assert [(m.outstanding_requests, m.outstanding_prompt_tokens) for m in orchestrator.prefill.members] == [(0, 0)] * 2
 
 
-def test_a_cancelled_prefill_gives_its_lease_back():
+def test_a_cancelled_prefill_is_no_longer_counted():
     orchestrator = _orchestrator(_Prefill("hang"))
     member = orchestrator.prefill.members[0]
 

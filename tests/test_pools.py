@@ -1,5 +1,5 @@
 """Pool health from load polls (a late answer is not a death, a dead actor is), the members'
-lifecycle, load leases and pick decisions.
+lifecycle, in-flight counts and pick decisions.
 
 Fast unit tests with stand-in actor handles; the real paths (a killed actor, a SIGSTOPped
 one) run in test_faults.py and test_front_door.py."""
@@ -168,7 +168,7 @@ def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int =
     random.seed(seed)  # each pool's tie-break start: deterministic here
     pools = [Pool("decode", [_live(f"decode-{i}") for i in range(actors)]) for _ in range(routers)]
 
-    async def arrive(leases: contextlib.AsyncExitStack) -> list[int]:
+    async def arrive(held: contextlib.AsyncExitStack) -> list[int]:
         for arrival in range(requests):
             if reports_every and arrival % reports_every == 0:
                 truth = [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
@@ -176,12 +176,12 @@ def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int =
                     for member, running in zip(pool.members, truth):
                         member.record_load(dataclasses.replace(LOAD, running=running, measured_at=time.time()))
             pool = pools[rng.randrange(routers)]
-            await leases.enter_async_context(pool.lease(pool.pick_decode().member))  # long-lived: held to the end
+            await held.enter_async_context(pool.in_flight(pool.pick_decode().member))  # long-lived: held to the end
         return [sum(p.members[i].outstanding_requests for p in pools) for i in range(actors)]
 
     async def route() -> list[int]:
-        async with contextlib.AsyncExitStack() as leases:
-            return await arrive(leases)
+        async with contextlib.AsyncExitStack() as held:
+            return await arrive(held)
 
     totals = asyncio.run(route())
     return max(totals) - min(totals)
@@ -202,13 +202,14 @@ def test_routers_picking_alone_unbalance_the_pool_and_load_reports_even_it():
 
 def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_poll():
     def state(name: str, running: int, lifecycle: Lifecycle = Lifecycle.LIVE) -> MemberState:
-        return MemberState(name, name, lifecycle, dataclasses.replace(LOAD, running=running, measured_at=time.time()), None)
+        load = dataclasses.replace(LOAD, running=running, measured_at=time.time())
+        return MemberState(name, name, lifecycle, load, None)
 
     async def scenario() -> None:
         pool = Pool("decode")
         pool.mirror((state("decode-0", 0), state("decode-1", 0)), new_poll=True)
         first = pool.members[0]
-        async with pool.lease(first), pool.lease(first):  # this router's own requests, started since that poll
+        async with pool.in_flight(first), pool.in_flight(first):  # this router's own requests, started since that poll
             pool.mirror((state("decode-0", 5), state("decode-1", 1, Lifecycle.DEAD)), new_poll=False)
             assert pool.members[0] is first and first.outstanding_requests == 2
             assert first.load.running == 0  # the same poll again: not news
@@ -218,7 +219,7 @@ def test_a_mirrored_pool_keeps_its_own_counts_and_takes_loads_only_from_a_new_po
             pool.mirror((state("decode-0", 5),), new_poll=True)  # decode-1 left the pool
             assert [m.name for m in pool.members] == ["decode-0"]
             assert first.estimated_requests == 5  # the report already counts this router's 2
-            async with pool.lease(first):
+            async with pool.in_flight(first):
                 assert first.estimated_requests == 6
 
     asyncio.run(scenario())
@@ -232,26 +233,28 @@ def test_a_late_report_still_counts_what_this_router_started_after_it_was_measur
     member = pool.members[0]
 
     async def scenario() -> None:
-        async with pool.lease(member):  # started before the measurement: counted in `running`
+        async with pool.in_flight(member):  # started before the measurement: counted in `running`
             measured_at = time.time()
             time.sleep(0.001)
-            async with pool.lease(member):  # started after it, before the report arrives
-                member.record_load(dataclasses.replace(LOAD, running=4, measured_at=measured_at))  # 3 others' + our first
+            async with pool.in_flight(member):  # started after it, before the report arrives
+                # 3 others' + our first
+                member.record_load(dataclasses.replace(LOAD, running=4, measured_at=measured_at))
                 assert member.estimated_requests == 5
             assert member.estimated_requests == 4  # one of ours finished since
             time.sleep(0.001)
-            member.record_load(dataclasses.replace(LOAD, running=4, measured_at=time.time()))  # a newer report has it all
+            # A newer report has it all.
+            member.record_load(dataclasses.replace(LOAD, running=4, measured_at=time.time()))
             assert member.estimated_requests == 4
 
     asyncio.run(scenario())
 
 
-def test_a_lease_always_gives_back_what_it_counted():
+def test_in_flight_counts_always_come_back_down():
     pool = Pool("prefill", [_live("prefill-0")])
     member = pool.members[0]
 
     async def raises() -> None:
-        async with pool.lease(member, prompt_tokens=100):
+        async with pool.in_flight(member, prompt_tokens=100):
             assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (1, 100)
             raise RuntimeError("the call failed")
 
@@ -259,7 +262,7 @@ def test_a_lease_always_gives_back_what_it_counted():
         entered = asyncio.Event()
 
         async def held() -> None:
-            async with pool.lease(member, prompt_tokens=7):
+            async with pool.in_flight(member, prompt_tokens=7):
                 entered.set()
                 await asyncio.sleep(60)
 
@@ -271,7 +274,7 @@ def test_a_lease_always_gives_back_what_it_counted():
             await task
 
     async def stream():  # noqa: ANN202 (a leg's generator that its caller leaves early)
-        async with pool.lease(member, prompt_tokens=3):
+        async with pool.in_flight(member, prompt_tokens=3):
             for token in range(10):
                 yield token
 
