@@ -46,8 +46,8 @@ from bench.loadgen import (
     write_json,
 )
 from controller.deployment import Deployment, DeploymentConfig
+from controller.local_stack import LocalStack
 from cluster.ray_cluster import start_local
-from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 
 ATTAINMENT_TARGET = 0.9
@@ -100,26 +100,23 @@ async def _wait_exited(pids: Sequence[int], timeout_s: float = 60.0) -> None:
 
 
 async def measure(system: System, model: str, rates: Sequence[float], config: LoadConfig) -> list[RunReport]:
-    deployment = Deployment(
-        DeploymentConfig(engine=EngineConfig(model=model), num_prefill=system.num_prefill, num_decode=system.num_decode)
+    stack = LocalStack(
+        DeploymentConfig(
+            engine=EngineConfig(model=model), num_prefill=system.num_prefill, num_decode=system.num_decode
+        ),
+        text_prompts=False,
     )
     started = time.perf_counter()
     pids: list[int] = []
     try:
-        orchestrator = await deployment.start()
-        pids = await _actor_pids(deployment)
-        # Token-id prompts only: no tokenizer needed in the router.
-        server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
-        await server.start()
-        print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {server.address}", file=sys.stderr)
-        try:
-            return await sweep(server.address, rates, config, label=f"{system.name} ")
-        finally:
-            await server.stop(0)
-            # Anything else running on the cores shows up in the numbers: say how busy it was.
-            print(f"{system.name}: done, 5-min load average {os.getloadavg()[1]:.1f}", file=sys.stderr)
+        await stack.start()
+        pids = await _actor_pids(stack.deployment)
+        print(f"{system.name}: up in {time.perf_counter() - started:.0f} s on {stack.address}", file=sys.stderr)
+        return await sweep(stack.address, rates, config, label=f"{system.name} ")
     finally:
-        deployment.shutdown()
+        await stack.stop()
+        # Anything else running on the cores shows up in the numbers: say how busy it was.
+        print(f"{system.name}: done, 5-min load average {os.getloadavg()[1]:.1f}", file=sys.stderr)
         await _wait_exited(pids)
 
 

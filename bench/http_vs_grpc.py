@@ -24,10 +24,9 @@ import grpc
 import httpx
 
 from router.client import build_request, stream_generate
-from controller.deployment import Deployment, DeploymentConfig
-from router.openai_http import HTTPServer, openai_front_for
+from controller.deployment import DeploymentConfig
+from controller.local_stack import LocalStack
 from cluster.ray_cluster import start_local
-from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 
 MODEL = "bench"
@@ -69,23 +68,18 @@ async def _http(client: httpx.AsyncClient, url: str, prompt: list[int], max_toke
 
 
 async def run(model: str, reps: int, prompt_tokens: int, max_tokens: int) -> dict[str, float]:
-    deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=model)))
-    orchestrator = await deployment.start()
-    server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
-    await server.start()
-    http = HTTPServer(openai_front_for(server, None, MODEL), "127.0.0.1:0")
-    await http.start()
-    url = f"http://{http.address}/v1/completions"
-    command = [sys.executable, "-m", "bench.http_vs_grpc", "--client", server.address, url,
+    config = DeploymentConfig(engine=EngineConfig(model=model))
+    stack = LocalStack(config, http="127.0.0.1:0", served_model_name=MODEL, text_prompts=False)
+    await stack.start()
+    url = f"http://{stack.http.address}/v1/completions"
+    command = [sys.executable, "-m", "bench.http_vs_grpc", "--client", stack.address, url,
                "--reps", str(reps), "--prompt-tokens", str(prompt_tokens), "--max-tokens", str(max_tokens)]
     try:
         client = await asyncio.create_subprocess_exec(*command, stdout=asyncio.subprocess.PIPE)
         output, _ = await client.communicate()
         rows = json.loads(output)
     finally:
-        await http.stop()
-        await server.stop(0)
-        deployment.shutdown()
+        await stack.stop()
     ttft = {k: statistics.median(r[0] for r in v) for k, v in rows.items()}
     rate = {k: statistics.median(r[1] for r in v) for k, v in rows.items()}
     # The same, timed where the router hands tokens to each front (no client parsing).

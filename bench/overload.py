@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.loadgen import RunReport, add_load_args, load_config, percentile, sweep, write_json
-from controller.deployment import Deployment, DeploymentConfig
+from controller.deployment import DeploymentConfig
+from controller.local_stack import LocalStack
 from cluster.ray_cluster import start_local
-from router.server import RouterServer, admission_limits
+from router.server import admission_limits
 from vllm_engine.config import EngineConfig, resolve_model
 
 
@@ -54,19 +55,10 @@ def result_of(report: RunReport) -> RateResult:
 
 
 async def run(model: str, rate: float, args: argparse.Namespace) -> list[RateResult]:
-    deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=model)))
-    try:
-        orchestrator = await deployment.start()
-        server = RouterServer(orchestrator, deployment.health, lambda text: [], model)  # token-id prompts only
-        await server.start()
-        limits = admission_limits(orchestrator, server.front)
+    async with LocalStack(DeploymentConfig(engine=EngineConfig(model=model)), text_prompts=False) as stack:
+        limits = admission_limits(stack.orchestrator, stack.server.front)
         print(f"admission: {limits.max_in_flight} in flight, {limits.max_queue} waiting", file=sys.stderr)
-        try:
-            reports = await sweep(server.address, [rate, 2 * rate], load_config(args))
-        finally:
-            await server.stop(0)
-    finally:
-        deployment.shutdown()
+        reports = await sweep(stack.address, [rate, 2 * rate], load_config(args))
     return [result_of(r) for r in reports]
 
 

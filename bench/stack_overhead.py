@@ -24,9 +24,9 @@ import grpc
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from router.client import build_request, stream_generate
-from controller.deployment import Deployment, DeploymentConfig
+from controller.deployment import DeploymentConfig
+from controller.local_stack import LocalStack
 from cluster.ray_cluster import start_local
-from router.server import RouterServer
 from vllm_engine.config import EngineConfig, resolve_model
 
 
@@ -79,15 +79,14 @@ async def _through_grpc(channel, prompt: list[int], max_tokens: int, request_id:
 
 
 async def run(prompt_tokens: int, max_tokens: int, reps: int, model: str) -> Report:
-    deployment = Deployment(DeploymentConfig(engine=EngineConfig(model=resolve_model(model))))
-    orchestrator = await deployment.start()
-    server = RouterServer(orchestrator, deployment.health, lambda text: [], model)
-    await server.start()
+    config = DeploymentConfig(engine=EngineConfig(model=resolve_model(model)))
+    stack = await LocalStack(config, text_prompts=False).start()
+    orchestrator = stack.orchestrator
     prompt = [(31 * i + 7) % 2000 + 1 for i in range(prompt_tokens)]
     sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True)
     samples: dict[str, list[float]] = {k: [] for k in ("ttft_in", "tps_engine", "queue", "ttft_grpc", "tps_grpc")}
     try:
-        async with grpc.aio.insecure_channel(server.address) as channel:
+        async with grpc.aio.insecure_channel(stack.address) as channel:
             for rep in range(-1, reps):  # rep -1 warms up both paths (and the NIXL handshake)
                 ttft_in, tps_engine, queue = await _inprocess(
                     orchestrator, GenerateRequest(f"in-{rep}", tuple(prompt), sampling)
@@ -97,8 +96,7 @@ async def run(prompt_tokens: int, max_tokens: int, reps: int, model: str) -> Rep
                     for key, value in zip(samples, (ttft_in, tps_engine, queue, ttft_grpc, tps_grpc)):
                         samples[key].append(value)
     finally:
-        await server.stop(0)
-        deployment.shutdown()
+        await stack.stop()
     med = {k: statistics.median(v) for k, v in samples.items()}
     return Report(
         prompt_tokens,

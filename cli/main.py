@@ -7,12 +7,10 @@ import asyncio
 import signal
 import sys
 import uuid
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, TypeVar
 
 if TYPE_CHECKING:
     from cli.config import DemoConfig, ServeConfig
-    from controller.deployment import DeploymentConfig
     from router.security import ClientCredentials
     from router.tier import RouterTier
 
@@ -82,44 +80,6 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-@dataclass(slots=True)
-class _Stack:
-    deployment: object
-    server: object
-    tokenizer: object
-
-    async def close(self) -> None:
-        await self.server.stop()  # type: ignore[attr-defined]
-        self.deployment.shutdown()  # type: ignore[attr-defined]
-
-
-async def _bring_up(config: "DemoConfig", listen: str) -> _Stack:
-    from transformers import AutoTokenizer
-
-    from cluster import ray_cluster
-    from controller.deployment import Deployment
-    from router.server import RouterServer
-    from vllm_engine.config import resolve_model
-
-    deployment_config = config.deployment
-    model = resolve_model(deployment_config.engine.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    _join_or_start(ray_cluster, config.address)
-    deployment = Deployment(deployment_config)
-    print(f"model {model}: starting {_pools(deployment_config)}...", file=sys.stderr)
-    try:
-        orchestrator = await deployment.start()
-        for name, capacity in deployment.capacities.items():
-            print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, listen, scale=deployment.resize)
-        await server.start()
-    except BaseException:
-        deployment.shutdown()
-        raise
-    print(f"serving pdserve.v1.Generation on {server.address}", file=sys.stderr)
-    return _Stack(deployment, server, tokenizer)
-
-
 def _join_or_start(ray_cluster: Any, address: str | None) -> None:
     if address:
         ray_cluster.join(address)
@@ -127,24 +87,18 @@ def _join_or_start(ray_cluster: Any, address: str | None) -> None:
         ray_cluster.start_local()
 
 
-def _pools(config: "DeploymentConfig") -> str:
-    tps = f"TP {config.role_engine('prefill').tensor_parallel_size} / {config.role_engine('decode').tensor_parallel_size}"
-    return f"{config.num_prefill} prefill + {config.num_decode} decode engines ({tps})"
-
-
 async def _demo(config: "DemoConfig", prompt: str) -> int:
-    stack = await _bring_up(config, "127.0.0.1:0")
-    try:
-        target = stack.server.address  # type: ignore[attr-defined]
-        # Warm-up: the first request pays the one-time NIXL handshake between the pair.
-        from router.security import ClientCredentials
+    from cluster import ray_cluster
+    from controller.local_stack import LocalStack
+    from router.security import ClientCredentials
 
+    _join_or_start(ray_cluster, config.address)
+    async with LocalStack(config.deployment, verbose=True) as stack:
         local = ClientCredentials()  # the demo's own loopback server: no TLS, no tokens
-        await _generate(target, "warm up", None, local, quiet=True, max_tokens=2)
+        # Warm-up: the first request pays the one-time NIXL handshake between the pair.
+        await _generate(stack.address, "warm up", None, local, quiet=True, max_tokens=2)
         print(f"\n{prompt}", end="", flush=True)
-        return await _generate(target, prompt, None, local, max_tokens=config.max_tokens, ignore_eos=True)
-    finally:
-        await stack.close()
+        return await _generate(stack.address, prompt, None, local, max_tokens=config.max_tokens, ignore_eos=True)
 
 
 async def _serve(config: "ServeConfig") -> int:
@@ -165,7 +119,7 @@ async def _serve(config: "ServeConfig") -> int:
     )
     controller, created = controller_for(deployment, CONTROLLER_NAME, front.prometheus_sd_file, planner)
     if created:
-        print(f"model {deployment.engine.model}: starting {_pools(deployment)}...", file=sys.stderr)
+        print(f"model {deployment.engine.model}: starting {deployment.summary()}...", file=sys.stderr)
     else:
         print(f"a controller already runs on this cluster ({CONTROLLER_NAME}): serving its pools", file=sys.stderr)
     tier = None

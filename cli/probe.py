@@ -38,8 +38,8 @@ from messages.requests import GenerateRequest, SamplingConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
 from controller.deployment import Deployment, DeploymentConfig
+from controller.local_stack import LocalStack
 from cluster.ray_cluster import join, start_local
-from router.server import RouterServer
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 
 # Decode throughput that grows by less than this from one batch size to the next has
@@ -182,17 +182,9 @@ async def _timed_generation(channel: grpc.aio.Channel, request: pb.GenerateReque
 @contextlib.asynccontextmanager
 async def _served(config: DeploymentConfig) -> AsyncIterator[tuple[Deployment, grpc.aio.Channel]]:
     """A deployment behind a gRPC router server, and a client channel to it."""
-    deployment = Deployment(config)
-    try:
-        server = RouterServer(await deployment.start(), deployment.health, lambda text: [], config.engine.model)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(server.address) as channel:
-                yield deployment, channel
-        finally:
-            await server.stop(0)
-    finally:
-        deployment.shutdown()
+    async with LocalStack(config, text_prompts=False) as stack:
+        async with grpc.aio.insecure_channel(stack.address) as channel:
+            yield stack.deployment, channel
 
 
 async def probe_transfer(channel: grpc.aio.Channel, config: ProbeConfig, result: ProbeResult) -> None:

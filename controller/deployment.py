@@ -102,6 +102,11 @@ class DeploymentConfig:
                 "pass --prefill-tp 1 --decode-tp 1"
             )
 
+    def summary(self) -> str:
+        """The pools as start-up logs name them, e.g. '1 prefill + 2 decode engines (TP 2 / 1)'."""
+        tps = f"TP {self.role_engine('prefill').tensor_parallel_size} / {self.role_engine('decode').tensor_parallel_size}"
+        return f"{self.num_prefill} prefill + {self.num_decode} decode engines ({tps})"
+
     def role_engine(self, role: str) -> EngineConfig:
         """The engine configuration of one pool, before cores are handed out."""
         return self.engine.sized(self.prefill_sizing if role == "prefill" else self.decode_sizing)

@@ -78,41 +78,29 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _smoke(demo: DemoConfig, prompt: str, start_timeout_s: float) -> int:
     import ray
-    from transformers import AutoTokenizer
 
     from cluster import ray_cluster
-    from controller.deployment import Deployment
-    from router.server import RouterServer
-    from vllm_engine.config import resolve_model
+    from controller.local_stack import LocalStack
 
-    config = demo.deployment
-    model = resolve_model(config.engine.model)
-    tokenizer = AutoTokenizer.from_pretrained(model)
     if demo.address:
         ray_cluster.join(demo.address)
         logs = "the cluster's Ray logs"
     else:
         logs = f"{ray_cluster.start_local()}/session_latest/logs"
-    deployment = Deployment(config)
-    server = None
+    stack = LocalStack(demo.deployment, verbose=True)
     try:
         if not ray.cluster_resources().get("GPU"):
             print("gpu_smoke: Ray found no GPU on this node (is CUDA_VISIBLE_DEVICES empty?)", file=sys.stderr)
             return 1
-        print(f"model {model}: starting 1 prefill + 1 decode engine on one GPU...", file=sys.stderr)
         try:
-            orchestrator = await asyncio.wait_for(deployment.start(), start_timeout_s)
+            await asyncio.wait_for(stack.start(), start_timeout_s)
         except asyncio.TimeoutError:
             print(f"gpu_smoke: the engines did not start in {start_timeout_s:.0f} s; see {logs}", file=sys.stderr)
             return 1
-        for name, capacity in deployment.capacities.items():
-            print(f"  {name}: {capacity.summary()}", file=sys.stderr)
-        server = RouterServer(orchestrator, deployment.health, tokenizer.encode, model, "127.0.0.1:0")
-        await server.start()
-        if await _stream(server.address, WARM_UP_PROMPT, max_tokens=2, quiet=True) is None:
+        if await _stream(stack.address, WARM_UP_PROMPT, max_tokens=2, quiet=True) is None:
             return 1
         print(f"\n{prompt}", end="", flush=True)
-        final = await _stream(server.address, prompt, max_tokens=demo.max_tokens)
+        final = await _stream(stack.address, prompt, max_tokens=demo.max_tokens)
         if final is None:
             return 1
         print("\n")
@@ -125,9 +113,7 @@ async def _smoke(demo: DemoConfig, prompt: str, start_timeout_s: float) -> int:
             return 1
         return 0
     finally:
-        if server is not None:
-            await server.stop()
-        deployment.shutdown()
+        await stack.stop()
         ray.shutdown()
 
 

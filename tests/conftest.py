@@ -100,39 +100,26 @@ class ServedStack:
         """`http_model`: also serve the OpenAI HTTP API under this model name (`self.http`)."""
         import threading
 
-        from transformers import AutoTokenizer
-
+        from controller.local_stack import LocalStack
         from router.security import ClientCredentials
-        from router.server import FrontDoorConfig, RouterServer
 
         self.dep = dep
         self.credentials = credentials or ClientCredentials()
-        orchestrator = run(dep.start()) if dep.orchestrator is None else dep.orchestrator
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        if dep.orchestrator is None:
+            run(dep.start())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-
-        async def start_server():
-            server = RouterServer(
-                orchestrator,
-                dep.health,
-                tokenizer.encode,
-                model_path,
-                health_interval_s=health_interval_s,
-                scale=dep.resize,
-                front=front or FrontDoorConfig(),
-            )
-            await server.start()
-            return server
-
-        self.server = asyncio.run_coroutine_threadsafe(start_server(), self.loop).result()
-        self.http = None
-        if http_model:
-            from router.openai_http import HTTPServer, openai_front_for
-
-            self.http = HTTPServer(openai_front_for(self.server, tokenizer, http_model), "127.0.0.1:0")
-            asyncio.run_coroutine_threadsafe(self.http.start(), self.loop).result()
+        self.stack = LocalStack(
+            dep,
+            front=front,
+            http="127.0.0.1:0" if http_model else None,
+            served_model_name=http_model,
+            health_interval_s=health_interval_s,
+        )
+        assert self.stack.model == model_path, (self.stack.model, model_path)
+        asyncio.run_coroutine_threadsafe(self.stack.start(), self.loop).result()
+        self.server, self.http = self.stack.server, self.stack.http
 
     def call(self, coro_fn: Callable[[Any], Awaitable[T]], timeout_s: float = 300, credentials=None) -> T:
         """Run a client coroutine on the server's loop (grpc.aio objects are loop-bound)."""
@@ -144,12 +131,9 @@ class ServedStack:
         return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
 
     def close(self) -> None:
-        if self.http is not None:
-            asyncio.run_coroutine_threadsafe(self.http.stop(), self.loop).result()
-        asyncio.run_coroutine_threadsafe(self.server.stop(0), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.stack.stop(), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
-        self.dep.shutdown()
 
 
 async def stream_tokens(channel, request, timeout_s: float | None = None, metadata=()):

@@ -9,7 +9,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -207,28 +206,15 @@ def test_only_loopback_targets():
 
 @pytest.fixture(scope="module")
 def server(ray_cluster, engine_config, model_path):
+    from conftest import ServedStack
+
     from controller.deployment import Deployment, DeploymentConfig
-    from router.server import RouterServer
 
-    dep = Deployment(DeploymentConfig(engine=engine_config))
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-
-    async def start():
-        # Token-id prompts only: no tokenizer in the router.
-        server = RouterServer(await dep.start(), dep.health, lambda text: [], model_path)
-        await server.start()
-        return server
-
+    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
     try:
-        srv = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=300)
-        yield srv, loop
-        asyncio.run_coroutine_threadsafe(srv.stop(0), loop).result(timeout=30)
+        yield served.server, served.loop
     finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout=10)
-        dep.shutdown()
+        served.close()
 
 
 def test_command_line_run_completes_every_request_with_its_length(server, tmp_path):
