@@ -41,7 +41,7 @@ from planner.closed_loop import ClosedLoopPlanner, PlannerConfig
 from planner.model import PerformanceModel
 from planner.replay import IntervalResult, Phase, Trace, goodput, replay
 from planner.search import Candidate, SearchSpace, search
-from planner.simulator import SLO, Lengths, Placement, Workload
+from planner.simulator import SLO, Lengths, Split, Workload
 
 FIRST = (Lengths(512, 0.4, "lognormal"), Lengths(2048, 0.4, "lognormal"))  # long generation
 SECOND = (Lengths(3000, 0.4, "lognormal"), Lengths(100, 0.4, "lognormal"))  # RAG, 30:1
@@ -55,7 +55,7 @@ def _best_split(
         config.instances, batch_limits=(config.batch_limit,), token_budget=config.token_budget, include_colocated=False
     )
     result = search(model, workload, config.slo, space)
-    row = ", ".join(f"{c.placement.label} {c.goodput_rps:.2f}" for c in result.candidates)
+    row = ", ".join(f"{c.split.label} {c.goodput_rps:.2f}" for c in result.candidates)
     print(f"{label}: goodput by split (req/s, true model): {row}")
     return result.best
 
@@ -63,7 +63,7 @@ def _best_split(
 def _series(results: list[IntervalResult]) -> dict[str, list[float]]:
     return {
         "start_s": [r.observation.start_s for r in results],
-        "prefill": [r.placement.prefill for r in results],
+        "prefill": [r.split.prefill for r in results],
         "goodput_rps": [r.goodput_rps for r in results],
     }
 
@@ -79,7 +79,7 @@ def _plot(
         # Each interval's value held to its end: the last one repeated at the trace's end.
         minutes = [r.observation.start_s / 60 for r in results] + [results[-1].observation.end_s / 60]
         for ax, values in (
-            (split_ax, [r.placement.prefill for r in results]),
+            (split_ax, [r.split.prefill for r in results]),
             (goodput_ax, [r.goodput_rps for r in results]),
         ):
             ax.step(minutes, values + values[-1:], style, where="post", label=label)
@@ -134,21 +134,21 @@ def main(argv: list[str] | None = None) -> int:
         f"prefill x{args.prefill_error}, decode x{args.decode_error}"
     )
 
-    def static(placement: Placement) -> list[IntervalResult]:
-        return replay(truth, trace, placement, args.interval, config.slo)
+    def static(split: Split) -> list[IntervalResult]:
+        return replay(truth, trace, split, args.interval, config.slo)
 
-    static_first = static(first.placement)
+    static_first = static(first.split)
     hindsight = {}
     for prefill in range(1, args.instances):
-        placement = config.placement(prefill, args.instances - prefill)
-        hindsight[placement.label] = goodput(static(placement))
-        print(f"static {placement.label}: goodput {hindsight[placement.label]:.2f} req/s over the trace")
+        split = config.split(prefill, args.instances - prefill)
+        hindsight[split.label] = goodput(static(split))
+        print(f"static {split.label}: goodput {hindsight[split.label]:.2f} req/s over the trace")
     hindsight_label = max(hindsight, key=hindsight.__getitem__)
 
     print("closed loop:")
     started = time.perf_counter()
     planner = ClosedLoopPlanner(config, model)
-    closed = replay(truth, trace, first.placement, args.interval, config.slo, planner, args.changeover)
+    closed = replay(truth, trace, first.split, args.interval, config.slo, planner, args.changeover)
     elapsed = time.perf_counter() - started
     decisions = [r.decision for r in closed if r.decision is not None]
     searches = [d.search_s for d in decisions if d.search_s > 0]
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [
         ("closed-loop planner", planner_goodput, ""),
         (
-            f"static {first.placement.label} (first half's best)",
+            f"static {first.split.label} (first half's best)",
             first_goodput,
             f"planner {ratio:.2f}x (target >= 1.3x)",
         ),
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             "config": {**vars(args), "out": str(args.out), "rates": rates},
             "goodput_rps": {"planner": planner_goodput, "static_first_half": first_goodput, "static": hindsight},
             "ratio_vs_first_half": ratio,
-            "static_first_half": first.placement.label,
+            "static_first_half": first.split.label,
             "changes": changes,
             "corrections": asdict(planner.corrections),
             "search_s": {"median": statistics.median(searches), "max": max(searches)},
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     png = args.out.with_suffix(".png")
-    _plot(png, closed, static_first, first.placement.label, phase_s)
+    _plot(png, closed, static_first, first.split.label, phase_s)
     print(f"wrote {args.out} and {png}")
     return 0
 

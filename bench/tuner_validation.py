@@ -45,7 +45,7 @@ import psutil
 
 from bench.loadgen import PROFILES, LoadConfig, RunReport, percentile, synthetic_workload
 from planner.model import PerformanceModel, TransferCost
-from planner.simulator import Placement, Timeline, Workload, simulate
+from planner.simulator import Split, Timeline, Workload, simulate
 from planner.trace import RequestSpec
 from vllm_engine.config import EngineConfig, resolve_model
 
@@ -184,9 +184,9 @@ def workload_of(specs: Sequence[RequestSpec]) -> Workload:
     )
 
 
-def placement_of(system: System, engine: EngineConfig) -> Placement:
+def split_of(system: System, engine: EngineConfig) -> Split:
     """The simulated counterpart of a deployment: its engines' batch limit and token budget."""
-    return Placement(
+    return Split(
         prefill=system.num_prefill,
         decode=system.num_decode,
         batch_limit=engine.max_num_seqs,
@@ -270,8 +270,8 @@ def _specs(rate: float, config: LoadConfig) -> list[RequestSpec]:
     return [s for s in specs if s.arrival_s < config.time_limit_s]
 
 
-def predict(model: PerformanceModel, placement: Placement, specs: Sequence[RequestSpec]) -> Timeline:
-    return simulate(model, placement, workload_of(specs), 1.0)
+def predict(model: PerformanceModel, split: Split, specs: Sequence[RequestSpec]) -> Timeline:
+    return simulate(model, split, workload_of(specs), 1.0)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -311,10 +311,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     points: list[Point] = []
     runs: list[dict[str, Any]] = []
     for system in SYSTEMS:
-        placement = placement_of(system, engine)
-        label = placement.label  # 1P:1D, 2 colocated
+        split = split_of(system, engine)
+        label = split.label  # 1P:1D, 2 colocated
         # Predictions first, from the model alone.
-        timelines = {rate: predict(model, placement, _specs(rate, config)) for rate in rates}
+        timelines = {rate: predict(model, split, _specs(rate, config)) for rate in rates}
         for rate, timeline in timelines.items():
             p = predicted_p50s(timeline)
             print(
@@ -336,7 +336,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(
                 {
                     "split": label,
-                    "placement": asdict(placement),
+                    "split": asdict(split),
                     "rate": rate,
                     "sent": s.sent,
                     "completed": s.completed,

@@ -160,9 +160,9 @@ class PlanningLoop:
 
 def _export(decision: Decision) -> None:
     DECISIONS.labels(decision.action).inc()
-    for split, placement in (("running", decision.current), ("recommended", decision.recommended)):
-        SPLIT.labels("prefill", split).set(placement.prefill)
-        SPLIT.labels("decode", split).set(placement.decode)
+    for split, split in (("running", decision.current), ("recommended", decision.recommended)):
+        SPLIT.labels("prefill", split).set(split.prefill)
+        SPLIT.labels("decode", split).set(split.decode)
     for split, goodput in (("running", decision.current_goodput_rps), ("recommended", decision.recommended_goodput_rps)):
         if goodput is not None:
             GOODPUT.labels(split).set(goodput)

@@ -1,2 +1,2 @@
 """Ratio tuning: fit a performance model from probe measurements, simulate prefill/decode
-placements, and search the split with the most goodput (see README.md here)."""
+splits, and search the split with the most goodput (see README.md here)."""

@@ -119,8 +119,8 @@ def _ms(seconds: float) -> str:
 
 
 def _row(candidate: Candidate) -> str:
-    placement, summary = candidate.placement, candidate.summary
-    head = f"{placement.label:>12} {placement.batch_limit:>6} {candidate.goodput_rps:>10.2f} {candidate.goodput_per_gpu:>9.3f}"
+    split, summary = candidate.split, candidate.summary
+    head = f"{split.label:>12} {split.batch_limit:>6} {candidate.goodput_rps:>10.2f} {candidate.goodput_per_gpu:>9.3f}"
     capacity = candidate.capacity
     tail = f"  {capacity.rate_rps:.2f}, {capacity.bound}-bound" if capacity else ""
     if summary is None:
@@ -144,11 +144,11 @@ def report(result: SearchResult, model: PerformanceModel, workload: Workload) ->
         "",
     ]
     if best.summary is None:
-        return "\n".join([*lines, "no placement meets the SLO at any rate: loosen it or add GPUs"])
+        return "\n".join([*lines, "no split meets the SLO at any rate: loosen it or add GPUs"])
     s = best.summary
     lines += [
         (
-            f"recommended: {best.placement.label}, decode batch limit {best.placement.batch_limit}: "
+            f"recommended: {best.split.label}, decode batch limit {best.split.batch_limit}: "
             f"goodput {best.goodput_rps:.2f} req/s ({best.goodput_per_gpu:.3f} per GPU){_versus_colocated(result)}"
         ),
         (
@@ -167,16 +167,16 @@ def report(result: SearchResult, model: PerformanceModel, workload: Workload) ->
 def _rate_verdict(result: SearchResult, rate: float) -> str:
     best = result.best
     if best.goodput_rps >= rate:
-        return f"{rate:g} req/s: met by {best.placement.label} (goodput {best.goodput_rps:.2f} req/s)"
+        return f"{rate:g} req/s: met by {best.split.label} (goodput {best.goodput_rps:.2f} req/s)"
     return (
         f"no split of {result.space.instances} instances meets {rate:g} req/s at this SLO: the highest sustainable "
-        f"is {best.goodput_rps:.2f} req/s ({best.placement.label}); add instances or loosen the SLO"
+        f"is {best.goodput_rps:.2f} req/s ({best.split.label}); add instances or loosen the SLO"
     )
 
 
 def _versus_colocated(result: SearchResult) -> str:
     splits = result.best_per_split()
-    colocated = splits[0] if splits[0].placement.colocated else None
+    colocated = splits[0] if splits[0].split.colocated else None
     if colocated is None or result.best is colocated or colocated.goodput_rps == 0:
         return ""
     return f", {result.best.goodput_rps / colocated.goodput_rps:.2f}x colocated ({colocated.goodput_rps:.2f} req/s)"
@@ -198,11 +198,11 @@ def plot(result: SearchResult, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     splits = list(result.space.splits())
     for limit in result.space.batch_limits:
-        values = [c.goodput_per_gpu for c in result.candidates if c.placement.batch_limit == limit]
+        values = [c.goodput_per_gpu for c in result.candidates if c.split.batch_limit == limit]
         ax.plot(splits, values, marker="o", label=f"batch limit {limit}")
     best = result.best
-    ax.plot([best.placement.prefill], [best.goodput_per_gpu], marker="*", markersize=16, color="black", label="best")
-    labels = {c.placement.prefill: c.placement.label for c in result.candidates}
+    ax.plot([best.split.prefill], [best.goodput_per_gpu], marker="*", markersize=16, color="black", label="best")
+    labels = {c.split.prefill: c.split.label for c in result.candidates}
     ax.set_xticks(splits, [labels[s] for s in splits], rotation=30)
     slo = result.slo
     ax.set(
@@ -252,11 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     plot(result, png)
     print(f"results: {args.out}, plot: {png}")
     if args.apply:
-        return _apply(args.apply, result.best.placement, tp)
+        return _apply(args.apply, result.best.split, tp)
     return 0
 
 
-def _apply(target: str, placement, tp: int) -> int:  # noqa: ANN001 (simulator.Placement)
+def _apply(target: str, split, tp: int) -> int:  # noqa: ANN001 (simulator.Split)
     """Ask the router's Admin service to resize its live pools; it drains what it removes,
     and refuses if its engines are not of the TP size the plan counts in."""
     import asyncio
@@ -269,7 +269,7 @@ def _apply(target: str, placement, tp: int) -> int:  # noqa: ANN001 (simulator.P
     async def scale() -> pb.PoolSizes:
         async with grpc.aio.insecure_channel(target) as channel:
             request = pb.ScalePoolsRequest(
-                prefill=placement.prefill, decode=placement.decode, prefill_tp=tp, decode_tp=tp
+                prefill=split.prefill, decode=split.decode, prefill_tp=tp, decode_tp=tp
             )
             return await pb_grpc.AdminStub(channel).ScalePools(request)
 
@@ -280,7 +280,7 @@ def _apply(target: str, placement, tp: int) -> int:  # noqa: ANN001 (simulator.P
         return 1
     print(
         f"applied: {target} now runs {sizes.prefill} prefill + {sizes.decode} decode actors "
-        f"(decode batch limit {placement.batch_limit} is an engine setting: restart with --max-num-seqs to apply it)"
+        f"(decode batch limit {split.batch_limit} is an engine setting: restart with --max-num-seqs to apply it)"
     )
     return 0
 

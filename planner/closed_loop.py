@@ -34,7 +34,7 @@ from messages.timings import SLO, LatencySummary
 from planner.model import PerformanceModel
 from planner.observe import Forecast, IntervalObservation, WindowSummary, forecast, summarize
 from planner.search import Candidate, best_of, max_goodput
-from planner.simulator import DEFAULT_BATCH_LIMIT, DEFAULT_TOKEN_BUDGET, Placement, simulate_at
+from planner.simulator import DEFAULT_BATCH_LIMIT, DEFAULT_TOKEN_BUDGET, Split, simulate_at
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ class PlannerConfig:
         if problems:
             raise ValueError("invalid planner config: " + "; ".join(problems))
 
-    def placement(self, prefill: int, decode: int) -> Placement:
-        return Placement(prefill, decode, self.batch_limit, self.token_budget)
+    def split(self, prefill: int, decode: int) -> Split:
+        return Split(prefill, decode, self.batch_limit, self.token_budget)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,8 +117,8 @@ class Decision:
     time_s: float  # the end of the interval it was made on
     action: Action
     reason: str
-    current: Placement
-    recommended: Placement  # the best split for the forecast (the current one when nothing beats it)
+    current: Split
+    recommended: Split  # the best split for the forecast (the current one when nothing beats it)
     current_goodput_rps: float | None  # predicted for the forecast mix; None when not searched
     recommended_goodput_rps: float | None
     forecast_rate_rps: float
@@ -180,7 +180,7 @@ class ClosedLoopPlanner:
     def step(self, observation: IntervalObservation) -> Decision:
         config = self.config
         window = summarize(observation)
-        current = config.placement(observation.prefill, observation.decode)
+        current = config.split(observation.prefill, observation.decode)
         predicted_ttft, predicted_itl = self._predict(window, current)
         previous = self.forecast
         expected = self.forecast = forecast(previous, window, config.rate_weight, config.min_requests)
@@ -195,7 +195,7 @@ class ClosedLoopPlanner:
             action, reason = self._verdict(observation.end_s, model, expected.rate_rps, mine, best, previous)
             search_s = time.perf_counter() - started
             if best.goodput_rps > mine.goodput_rps:
-                recommended = best.placement
+                recommended = best.split
             goodputs = (mine.goodput_rps, max(mine.goodput_rps, best.goodput_rps))
         decision = Decision(
             time_s=observation.end_s,
@@ -221,7 +221,7 @@ class ClosedLoopPlanner:
         log.info(decision.log_line())
         return decision
 
-    def _predict(self, window: WindowSummary, current: Placement) -> tuple[float | None, float | None]:
+    def _predict(self, window: WindowSummary, current: Split) -> tuple[float | None, float | None]:
         """The window replayed on the running split with the current model: its TTFT and ITL
         p90, and (unless a change was just made) the corrections moved by the medians."""
         if window.requests < self.config.min_requests:
@@ -240,13 +240,13 @@ class ClosedLoopPlanner:
             )
         return ttft.p90, itl.p90
 
-    def _search(self, model: PerformanceModel, expected: Forecast, current: Placement) -> tuple[Candidate, Candidate]:
+    def _search(self, model: PerformanceModel, expected: Forecast, current: Split) -> tuple[Candidate, Candidate]:
         """The running split and the best split for the forecast mix, the same simulated
         requests for every split. Every disaggregated split of the budget competes (the live
         controller resizes two pools; it does not colocate); `best_of` skips those whose
         capacity cannot beat the best so far."""
         config = self.config
-        splits = [config.placement(prefill, config.instances - prefill) for prefill in range(1, config.instances)]
+        splits = [config.split(prefill, config.instances - prefill) for prefill in range(1, config.instances)]
         return best_of(model, expected.workload(config.search_requests, config.seed), config.slo, splits, current)
 
     def _verdict(
@@ -285,7 +285,7 @@ class ClosedLoopPlanner:
         workload = previous.workload(config.search_requests, config.seed)
         before = _gain(
             *(
-                max_goodput(model, c.placement, workload, config.slo, c.placement.instances).goodput_rps
+                max_goodput(model, c.split, workload, config.slo, c.split.instances).goodput_rps
                 for c in (mine, best)
             )
         )

@@ -27,7 +27,7 @@ from messages.timings import SLO, FinishedRequest
 from planner.closed_loop import ClosedLoopPlanner, Decision
 from planner.model import PerformanceModel
 from planner.observe import IntervalObservation
-from planner.simulator import Lengths, Placement, Workload, simulate_at
+from planner.simulator import Lengths, Split, Workload, simulate_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +70,7 @@ class Trace:
 
 @dataclass(frozen=True, slots=True)
 class IntervalResult:
-    placement: Placement  # the split serving the interval once any changeover is done
+    split: Split  # the split serving the interval once any changeover is done
     observation: IntervalObservation
     good: int  # requests that arrived in the interval and met the SLO
     decision: Decision | None  # the planner's, at the interval's end; None for a static split
@@ -85,26 +85,26 @@ def serve(
     trace: Trace,
     start_s: float,
     end_s: float,
-    before: Placement,
-    after: Placement,
+    before: Split,
+    after: Split,
     changeover_s: float,
 ) -> IntervalObservation:
     """Requests arriving in [start_s, end_s) served by `truth`; `after` is the split from
     `start_s` on, reached from `before` through a changeover when they differ."""
     stages = [(start_s, end_s, after)]
     if before != after and changeover_s > 0:
-        shared = Placement(
+        shared = Split(
             min(before.prefill, after.prefill), min(before.decode, after.decode), after.batch_limit, after.token_budget
         )
         handover = min(end_s, start_s + changeover_s)
         stages = [(start_s, handover, shared), (handover, end_s, after)]
     requests: list[FinishedRequest] = []
-    for low, high, placement in stages:
+    for low, high, split in stages:
         picked = trace.between(low, high)
         arrivals = trace.arrival_s[picked]
         if not len(arrivals):
             continue
-        timeline = simulate_at(truth, placement, arrivals, trace.prompt_tokens[picked], trace.output_tokens[picked])
+        timeline = simulate_at(truth, split, arrivals, trace.prompt_tokens[picked], trace.output_tokens[picked])
         requests += [
             FinishedRequest(float(a), int(p), int(o), float(ttft), float(itl))
             for a, p, o, ttft, itl in zip(
@@ -121,7 +121,7 @@ def _meets(request: FinishedRequest, slo: SLO) -> bool:
 def replay(
     truth: PerformanceModel,
     trace: Trace,
-    start: Placement,
+    start: Split,
     interval_s: float,
     slo: SLO,
     planner: ClosedLoopPlanner | None = None,

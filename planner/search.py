@@ -1,13 +1,13 @@
-"""Placement search: the prefill:decode split and decode batch limit with the most goodput.
+"""Split search: the prefill:decode split and decode batch limit with the most goodput.
 
 Goodput, as DistServe defines it: the highest arrival rate at which at least the SLO's
 attainment target (p90: 90%) of requests meet both the TTFT and the ITL (TPOT) SLO. For each
-candidate placement it is found by bisection on the rate, every probe a full simulation of
+candidate split it is found by bisection on the rate, every probe a full simulation of
 the same workload rescaled to that rate. All candidates use the same number of instances,
 so the best goodput is also the best goodput per GPU.
 
 Only sustainable rates count: a finite simulation of an overloaded queue can end before its
-waiting time crosses a loose SLO, so a rate above the placement's service capacity (the
+waiting time crosses a loose SLO, so a rate above the split's service capacity (the
 busier pool's bound, `capacity_bound`) is never reported, whatever the finite run says.
 """
 
@@ -23,7 +23,7 @@ from planner.model import PerformanceModel
 from planner.simulator import (
     DEFAULT_TOKEN_BUDGET,
     SLO,
-    Placement,
+    Split,
     Summary,
     Workload,
     simulate,
@@ -57,7 +57,7 @@ class SearchSpace:
 
 @dataclass(frozen=True, slots=True)
 class CapacityBound:
-    """The most requests/s a placement can serve in steady state, and which pool sets it."""
+    """The most requests/s a split can serve in steady state, and which pool sets it."""
 
     rate_rps: float
     bound: str  # "prefill", "decode" (disaggregated) or "colocated"
@@ -65,7 +65,7 @@ class CapacityBound:
 
 @dataclass(frozen=True, slots=True)
 class Candidate:
-    placement: Placement
+    split: Split
     goodput_rps: float  # 0 when even a trickle misses the SLO; never above capacity
     goodput_per_gpu: float
     summary: Summary | None  # simulated at goodput_rps; None when it is 0
@@ -88,13 +88,13 @@ class SearchResult:
         """The best batch limit for each prefill instance count, in increasing count."""
         splits: dict[int, Candidate] = {}
         for candidate in self.candidates:
-            current = splits.get(candidate.placement.prefill)
+            current = splits.get(candidate.split.prefill)
             if current is None or candidate.goodput_rps > current.goodput_rps:
-                splits[candidate.placement.prefill] = candidate
+                splits[candidate.split.prefill] = candidate
         return [splits[prefill] for prefill in sorted(splits)]
 
 
-def capacity_estimate(model: PerformanceModel, placement: Placement, workload: Workload) -> float:
+def capacity_estimate(model: PerformanceModel, split: Split, workload: Workload) -> float:
     """Requests/s the pools could sustain busy all the time at their best batching: the
     bisection's first bracket (a guess; the bisection widens it when low). It ignores the
     batch limit, so every limit of a split starts from the same bracket (see
@@ -102,7 +102,7 @@ def capacity_estimate(model: PerformanceModel, placement: Placement, workload: W
     prompt = workload.prompt_tokens.astype(float)
     cost = model.prefill
     # A full token budget of prompts shares the fixed per-batch cost.
-    prompts_per_batch = max(1.0, placement.token_budget / prompt.mean())
+    prompts_per_batch = max(1.0, split.token_budget / prompt.mean())
     prefill_s = cost.fixed_s / prompts_per_batch + float(
         np.mean(cost.per_token_s * prompt + cost.per_token_pair_s * prompt**2)
     )
@@ -115,12 +115,12 @@ def capacity_estimate(model: PerformanceModel, placement: Placement, workload: W
         decode.per_sequence_s + decode.per_context_token_s * context + decode.compute_per_sequence_s,
     )
     decode_s = float(workload.output_tokens.mean()) * per_token_s
-    if placement.colocated:
-        return placement.decode / (prefill_s + decode_s)
-    return min(placement.prefill / prefill_s, placement.decode / decode_s)
+    if split.colocated:
+        return split.decode / (prefill_s + decode_s)
+    return min(split.prefill / prefill_s, split.decode / decode_s)
 
 
-def capacity_bound(model: PerformanceModel, placement: Placement, workload: Workload) -> CapacityBound:
+def capacity_bound(model: PerformanceModel, split: Split, workload: Workload) -> CapacityBound:
     """Requests/s each pool serves when it never idles, from the model's per-token costs
     exactly as the simulator charges them: prefill in full token budgets of mean-length
     prompts; decode with every batch at its limit, a sequence holding a slot for its output
@@ -129,20 +129,20 @@ def capacity_bound(model: PerformanceModel, placement: Placement, workload: Work
     Transfers are latency only in the simulator (no shared link), so they bound nothing here."""
     prompt = float(workload.prompt_tokens.mean())
     output = float(workload.output_tokens.mean())
-    per_batch = max(1.0, placement.token_budget // prompt)
+    per_batch = max(1.0, split.token_budget // prompt)
     prefill_s = model.prefill.seconds(per_batch * prompt, per_batch * prompt**2) / per_batch
-    limit = placement.batch_limit
+    limit = split.batch_limit
     step_s = model.decode.seconds(limit, limit * (prompt + output / 2))
     slot_s = (output - 1) * step_s / limit  # decode time per request, its slot shared
     rate = math.inf
     for _ in range(20):
         slowdown = model.host.slowdown(rate * output) if model.host and math.isfinite(rate) else 1.0
-        if placement.colocated:  # each instance prefills its own requests between decode steps
-            bound = CapacityBound(placement.decode / (slowdown * (prefill_s + slot_s)), "colocated")
+        if split.colocated:  # each instance prefills its own requests between decode steps
+            bound = CapacityBound(split.decode / (slowdown * (prefill_s + slot_s)), "colocated")
         else:
             by_pool = {
-                "prefill": placement.prefill / (slowdown * prefill_s),
-                "decode": placement.decode / (slowdown * slot_s) if slot_s > 0 else math.inf,
+                "prefill": split.prefill / (slowdown * prefill_s),
+                "decode": split.decode / (slowdown * slot_s) if slot_s > 0 else math.inf,
             }
             pool = min(by_pool, key=by_pool.__getitem__)
             bound = CapacityBound(by_pool[pool], pool)
@@ -152,26 +152,26 @@ def capacity_bound(model: PerformanceModel, placement: Placement, workload: Work
     return bound
 
 
-def max_goodput(model: PerformanceModel, placement: Placement, workload: Workload, slo: SLO, gpus: int) -> Candidate:
+def max_goodput(model: PerformanceModel, split: Split, workload: Workload, slo: SLO, gpus: int) -> Candidate:
     """Bisection on the arrival rate for the highest sustainable rate that meets the SLO."""
     passing: Summary | None = None
     peak_batch = 0
-    capacity = capacity_bound(model, placement, workload)
+    capacity = capacity_bound(model, split, workload)
 
     def attains(rate: float) -> bool:
         nonlocal passing, peak_batch
         if rate > capacity.rate_rps:
             return False  # not sustainable: the queue grows without bound
-        timeline = simulate(model, placement, workload, rate)
+        timeline = simulate(model, split, workload, rate)
         peak_batch = max(peak_batch, timeline.peak_batch)
         if timeline.meets(slo).mean() < slo.attainment_target:
             return False
         passing = timeline.summary(rate, slo)
         return True
 
-    low, high = 0.0, float(capacity_estimate(model, placement, workload))
+    low, high = 0.0, float(capacity_estimate(model, split, workload))
     if attains(capacity.rate_rps):  # meets the SLO right up to capacity: that is the goodput
-        return Candidate(placement, capacity.rate_rps, capacity.rate_rps / gpus, passing, peak_batch >= placement.batch_limit, capacity)
+        return Candidate(split, capacity.rate_rps, capacity.rate_rps / gpus, passing, peak_batch >= split.batch_limit, capacity)
     high = min(high, capacity.rate_rps)
     for _ in range(MAX_DOUBLINGS):
         if not attains(high):
@@ -181,7 +181,7 @@ def max_goodput(model: PerformanceModel, placement: Placement, workload: Workloa
         middle = (low + high) / 2
         low, high = (middle, high) if attains(middle) else (low, middle)
     # The last pass was at `low`.
-    return Candidate(placement, low, low / gpus, passing, peak_batch >= placement.batch_limit, capacity)
+    return Candidate(split, low, low / gpus, passing, peak_batch >= split.batch_limit, capacity)
 
 
 def _split_candidates(
@@ -189,13 +189,13 @@ def _split_candidates(
 ) -> list[Candidate]:
     candidates: list[Candidate] = []
     for limit in sorted(space.batch_limits):
-        placement = Placement(prefill, space.instances - prefill, limit, space.token_budget)
+        split = Split(prefill, space.instances - prefill, limit, space.token_budget)
         if candidates and not candidates[-1].limit_reached:
             # No simulation filled the smaller limit: from the same bracket a larger one
             # replays the same simulations, so the same bisection.
-            candidates.append(replace(candidates[-1], placement=placement))
+            candidates.append(replace(candidates[-1], split=split))
         else:
-            candidates.append(max_goodput(model, placement, workload, slo, space.gpus))
+            candidates.append(max_goodput(model, split, workload, slo, space.gpus))
     return candidates
 
 
@@ -208,25 +208,25 @@ def best_of(
     model: PerformanceModel,
     workload: Workload,
     slo: SLO,
-    placements: Sequence[Placement],
-    incumbent: Placement,
+    splits: Sequence[Split],
+    incumbent: Split,
     gpus_per_instance: int = 1,
 ) -> tuple[Candidate, Candidate]:
-    """The incumbent's candidate and the best among it and `placements` (the incumbent unless
-    one beats it strictly): what a planner needs, without the whole table. A placement is
+    """The incumbent's candidate and the best among it and `splits` (the incumbent unless
+    one beats it strictly): what a planner needs, without the whole table. A split is
     simulated only while its capacity bound exceeds the best goodput found so far, since
     goodput never exceeds capacity; highest capacity first, so the likely winner raises the
     bar early and most of the others are never simulated."""
 
-    def evaluate(placement: Placement) -> Candidate:
-        return max_goodput(model, placement, workload, slo, placement.instances * gpus_per_instance)
+    def evaluate(split: Split) -> Candidate:
+        return max_goodput(model, split, workload, slo, split.instances * gpus_per_instance)
 
     mine = best = evaluate(incumbent)
-    bounds = [(capacity_bound(model, p, workload).rate_rps, p) for p in placements if p != incumbent]
-    for bound, placement in sorted(bounds, key=lambda pair: -pair[0]):
+    bounds = [(capacity_bound(model, p, workload).rate_rps, p) for p in splits if p != incumbent]
+    for bound, split in sorted(bounds, key=lambda pair: -pair[0]):
         if bound <= best.goodput_rps:
             break  # in decreasing order: none of the rest can win either
-        candidate = evaluate(placement)
+        candidate = evaluate(split)
         if candidate.goodput_rps > best.goodput_rps:
             best = candidate
     return mine, best

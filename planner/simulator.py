@@ -1,6 +1,6 @@
 """Discrete-event simulation of a pdserve deployment, timed by a fitted PerformanceModel.
 
-Disaggregated (`Placement(prefill=N, decode=M)`):
+Disaggregated (`Split(prefill=N, decode=M)`):
 - router: each arriving prompt goes to the prefill instance with the fewest outstanding
   prompt tokens (waiting + in the running batch), as pdserve's router does;
 - prefill instance: FCFS; when free it takes the waiting prompts in arrival order up to a
@@ -13,7 +13,7 @@ Disaggregated (`Placement(prefill=N, decode=M)`):
   continuous batching; at every step boundary waiting requests join up to the batch limit
   (context prompt + 1), and every running sequence gets one token per step.
 
-Colocated (`Placement(prefill=0, decode=N)`): N instances doing both, routed by fewest
+Colocated (`Split(prefill=0, decode=N)`): N instances doing both, routed by fewest
 running + waiting requests. At a step boundary waiting prompts are prefilled first (vLLM's
 priority; the running decodes stall meanwhile) while there is room under the batch limit;
 the prefill samples the first token.
@@ -50,7 +50,7 @@ DEFAULT_BATCH_LIMIT = 64
 
 
 @dataclass(frozen=True, slots=True)
-class Placement:
+class Split:
     prefill: int  # instances; 0 = colocated
     decode: int  # instances (colocated: all of them)
     batch_limit: int = DEFAULT_BATCH_LIMIT  # running sequences per decode (or colocated) instance
@@ -58,7 +58,7 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.prefill < 0 or self.decode < 1 or self.batch_limit < 1 or self.token_budget < 1:
-            raise ValueError(f"invalid placement {self}")
+            raise ValueError(f"invalid split {self}")
 
     @property
     def instances(self) -> int:
@@ -254,11 +254,11 @@ class _Instance:
     in progress, or the time it went idle), because requests are added only after the
     instance has been advanced to their arrival."""
 
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
+    def __init__(self, requests: _Requests, model: PerformanceModel, split: Split, slowdown: float) -> None:
         self.requests = requests
         self.slowdown = slowdown
         self.prefill_cost: PrefillCost = model.prefill
-        self.token_budget = placement.token_budget
+        self.token_budget = split.token_budget
         self.clock = 0.0
         self.waiting: deque[int] = deque()
 
@@ -301,8 +301,8 @@ class _Instance:
 
 
 class _PrefillInstance(_Instance):
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
-        super().__init__(requests, model, placement, slowdown)
+    def __init__(self, requests: _Requests, model: PerformanceModel, split: Split, slowdown: float) -> None:
+        super().__init__(requests, model, split, slowdown)
         self.queued_tokens = 0
         self.running_tokens = 0  # in the batch that ends at `clock`
 
@@ -326,10 +326,10 @@ class _DecodeInstance(_Instance):
     total context is sum(context at join - step at join) + batch size x steps, kept as one
     running sum instead of per-sequence counters."""
 
-    def __init__(self, requests: _Requests, model: PerformanceModel, placement: Placement, slowdown: float) -> None:
-        super().__init__(requests, model, placement, slowdown)
+    def __init__(self, requests: _Requests, model: PerformanceModel, split: Split, slowdown: float) -> None:
+        super().__init__(requests, model, split, slowdown)
         self.decode_cost: DecodeCost = model.decode
-        self.limit = placement.batch_limit
+        self.limit = split.batch_limit
         self.steps = 0
         self.running: list[tuple[int, int, int]] = []  # heap of (finishing step, rid, context term)
         self.context_terms = 0
@@ -389,26 +389,26 @@ def _dispatch(pool: Sequence[_Instance], order: Iterable[int], times: Sequence[f
         instance.advance(math.inf)
 
 
-def simulate(model: PerformanceModel, placement: Placement, workload: Workload, rate: float) -> Timeline:
+def simulate(model: PerformanceModel, split: Split, workload: Workload, rate: float) -> Timeline:
     requests = _Requests(workload, rate)
     arrivals = range(len(workload))
     slowdown = model.host.slowdown(rate * float(workload.output_tokens.mean())) if model.host else 1.0
-    if placement.colocated:
-        pool = [_ColocatedInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
+    if split.colocated:
+        pool = [_ColocatedInstance(requests, model, split, slowdown) for _ in range(split.decode)]
         _dispatch(pool, arrivals, requests.arrival)
         return requests.timeline(pool, model.serving_overhead_s)
-    prefill_pool = [_PrefillInstance(requests, model, placement, slowdown) for _ in range(placement.prefill)]
+    prefill_pool = [_PrefillInstance(requests, model, split, slowdown) for _ in range(split.prefill)]
     _dispatch(prefill_pool, arrivals, requests.arrival)
     ready = [end + model.transfer_seconds(p) for end, p in zip(requests.prefill_end, requests.prompt)]
     decoded = [rid for rid in arrivals if requests.output[rid] > 1]
-    decode_pool = [_DecodeInstance(requests, model, placement, slowdown) for _ in range(placement.decode)]
+    decode_pool = [_DecodeInstance(requests, model, split, slowdown) for _ in range(split.decode)]
     _dispatch(decode_pool, sorted(decoded, key=ready.__getitem__), ready)
     return requests.timeline(decode_pool, model.serving_overhead_s)
 
 
 def simulate_at(
     model: PerformanceModel,
-    placement: Placement,
+    split: Split,
     arrival_s: np.ndarray,
     prompt_tokens: np.ndarray,
     output_tokens: np.ndarray,
@@ -422,4 +422,4 @@ def simulate_at(
     # The offered rate (it sets CPU engines' host slowdown); any rate when all arrive at once.
     rate = len(arrival) / span if span > 0 else 1.0
     workload = Workload((arrival - arrival[0]) * rate, np.asarray(prompt_tokens), np.asarray(output_tokens))
-    return simulate(model, placement, workload, rate)
+    return simulate(model, split, workload, rate)

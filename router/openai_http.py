@@ -31,7 +31,7 @@ from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult, TokenChunk
 from router.admission import AdmissionController
 from router.metrics import REQUESTS
-from router.security import Role, TokenTable
+from router.security import TokenRole, TokenTable
 
 if TYPE_CHECKING:
     from router.orchestrator import Orchestrator
@@ -159,7 +159,7 @@ class OpenAIFront:
         role = self._tokens.role_of(token) if scheme.lower() == "bearer" and token else None
         if role is None:
             raise HTTPError(401, "send 'Authorization: Bearer <token>'", "authentication_error", code="invalid_api_key")
-        if role not in (Role.GENERATE, Role.ADMIN):  # pragma: no cover (every role may generate today)
+        if role not in (TokenRole.GENERATE, TokenRole.ADMIN):  # pragma: no cover (every role may generate today)
             raise HTTPError(403, "this token may not generate", "permission_error")
 
     def _parse(self, model: type, request: Request, raw: bytes) -> Any:

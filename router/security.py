@@ -28,7 +28,7 @@ _OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _ADMIN_PREFIX = "/pdserve.v1.Admin/"
 
 
-class Role(str, Enum):
+class TokenRole(str, Enum):
     GENERATE = "generate"
     ADMIN = "admin"
 
@@ -37,19 +37,19 @@ class Role(str, Enum):
 class TokenTable:
     """SHA-256 of each token -> its role (the plain tokens are not kept)."""
 
-    digests: dict[bytes, Role]
+    digests: dict[bytes, TokenRole]
 
     @classmethod
     def parse(cls, text: str, source: str) -> "TokenTable":
-        digests: dict[bytes, Role] = {}
+        digests: dict[bytes, TokenRole] = {}
         entries = [e.strip() for line in text.splitlines() for e in line.split("#", 1)[0].split(",")]
         for entry in filter(None, entries):
             role, sep, token = entry.partition(":")
-            if not sep or not token or role not in Role._value2member_map_:
+            if not sep or not token or role not in TokenRole._value2member_map_:
                 raise ValueError(f"{source}: entries are ROLE:TOKEN with ROLE generate or admin, got {entry[:12]!r}...")
             if len(token) < 16:
                 raise ValueError(f"{source}: a {role} token has {len(token)} characters; use at least 16")
-            digests[_digest(token)] = Role(role)
+            digests[_digest(token)] = TokenRole(role)
         if not digests:
             raise ValueError(f"{source}: no tokens")
         return cls(digests)
@@ -63,7 +63,7 @@ class TokenTable:
             return cls.parse(os.environ[TOKENS_ENV], TOKENS_ENV)
         return None
 
-    def role_of(self, token: str) -> Role | None:
+    def role_of(self, token: str) -> TokenRole | None:
         digest = _digest(token)
         # Constant-time comparison against every entry: no timing hint of a near match.
         found = None
@@ -98,7 +98,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         role = self._tokens.role_of(token) if scheme.lower() == "bearer" and token else None
         if role is None:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, "send 'authorization: Bearer <token>' metadata")
-        if method.startswith(_ADMIN_PREFIX) and role is not Role.ADMIN:
+        if method.startswith(_ADMIN_PREFIX) and role is not TokenRole.ADMIN:
             return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, f"{method} needs an admin token")
         return handler
 

@@ -16,7 +16,7 @@ from planner.model import PerformanceModel
 from planner.observe import Forecast, IntervalObservation, forecast, summarize
 from planner.replay import IntervalResult, Phase, Trace, goodput, replay, serve
 from planner.search import SearchSpace, best_of, search
-from planner.simulator import SLO, Lengths, Placement, Workload
+from planner.simulator import SLO, Lengths, Split, Workload
 
 MODEL = PerformanceModel.seeds_example()  # Qwen3.5-27B, 4xH100 per instance
 TARGET = SLO(ttft_s=2.0, itl_s=0.05)
@@ -46,7 +46,7 @@ def _run(
 ) -> tuple[list[IntervalResult], ClosedLoopPlanner]:
     config = _config(**overrides)
     planner = ClosedLoopPlanner(config, MODEL)
-    results = replay(truth, Trace.of(phases, seed=seed), config.placement(*start), INTERVAL, TARGET, planner)
+    results = replay(truth, Trace.of(phases, seed=seed), config.split(*start), INTERVAL, TARGET, planner)
     return results, planner
 
 
@@ -140,9 +140,9 @@ def test_config_validates_itself() -> None:
 def test_best_of_agrees_with_the_full_search(lengths: tuple[Lengths, Lengths]) -> None:
     workload = Workload.poisson(100, *lengths, seed=3)
     full = search(MODEL, workload, TARGET, SearchSpace(6, batch_limits=(64,), include_colocated=False))
-    splits = [c.placement for c in full.candidates]
+    splits = [c.split for c in full.candidates]
     mine, best = best_of(MODEL, workload, TARGET, splits, incumbent=splits[2])
-    assert best.placement == full.best.placement and best.goodput_rps == full.best.goodput_rps
+    assert best.split == full.best.split and best.goodput_rps == full.best.goodput_rps
     assert mine.goodput_rps == full.candidates[2].goodput_rps
 
 
@@ -177,7 +177,7 @@ def test_shift_moves_the_split_toward_prefill_within_two_intervals_and_back() ->
     results, _ = _run(phases, start=(2, 4))
     # Prefill instances of each change, by the interval it was decided at.
     changes = {i: r.decision.recommended.prefill for i, r in enumerate(results) if r.decision.changed}
-    running = [r.placement.prefill for r in results]
+    running = [r.split.prefill for r in results]
     # The shift lands in interval 3: the first change, toward prefill, at the end of 3 or 4.
     # (A window holding both mixes shows an intermediate one: a step there may come first.)
     toward = min(changes)
@@ -187,7 +187,7 @@ def test_shift_moves_the_split_toward_prefill_within_two_intervals_and_back() ->
     back = min(i for i in changes if i >= 7)
     assert back in (7, 8) and changes[back] < running[back]
     assert all(changes[i] < running[i] for i in changes if i >= 7)
-    assert results[-1].placement.label == "2P:4D"
+    assert results[-1].split.label == "2P:4D"
 
 
 def test_steady_workload_causes_no_change() -> None:
@@ -242,7 +242,7 @@ def test_a_split_off_the_budget_is_judged_against_the_budgets_splits() -> None:
     # An engine lost: 2P:3D running on a budget of 6. It has no row in the search; it is
     # evaluated alone, and the recommendation uses the whole budget.
     planner = ClosedLoopPlanner(_config(), MODEL)
-    running = Placement(2, 3)
+    running = Split(2, 3)
     trace = Trace.of([Phase(INTERVAL, 8.0, *SHORT_LONG)])
     observation = serve(MODEL, trace, 0.0, INTERVAL, running, running, changeover_s=0.0)
     decision = planner.step(observation)
@@ -278,7 +278,7 @@ def test_each_decision_is_logged_as_one_line_with_its_figures(caplog: pytest.Log
 
 def test_changeover_serves_with_the_shared_instances_first() -> None:
     trace = Trace.of([Phase(INTERVAL, 3.0, *LONG_SHORT)], seed=1)
-    before, after = Placement(2, 4), Placement(5, 1)
+    before, after = Split(2, 4), Split(5, 1)
     direct = serve(MODEL, trace, 0.0, INTERVAL, after, after, changeover_s=0.0)
     slowed = serve(MODEL, trace, 0.0, INTERVAL, before, after, changeover_s=10.0)
     assert len(direct.requests) == len(slowed.requests) == len(trace.arrival_s)

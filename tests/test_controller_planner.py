@@ -83,7 +83,7 @@ def test_a_change_that_cannot_be_made_is_recorded_and_seen_as_not_made():
 
 def test_a_budget_above_the_running_engines_grows_the_pool_that_needs_it():
     """--gpu-budget 5 over 1P:2D: traffic that one prefill engine cannot carry grows the
-    prefill pool within the budget (the new engines' placement groups are what Ray's
+    prefill pool within the budget (the new engines' split groups are what Ray's
     autoscaler answers with nodes: tests/test_deploy_loopback.py)."""
     from dataclasses import replace
 

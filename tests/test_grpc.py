@@ -219,11 +219,11 @@ def test_admin_scale_pools_keeps_the_serving_mode(stack):
 
 def test_tune_apply_resizes_the_pools_through_admin(stack):
     from planner.cli import _apply
-    from planner.simulator import Placement
+    from planner.simulator import Split
 
-    assert _apply(stack.server.address, Placement(prefill=1, decode=1), tp=1) == 0
-    assert _apply(stack.server.address, Placement(prefill=0, decode=2), tp=1) == 1  # mode switch refused
-    assert _apply(stack.server.address, Placement(prefill=1, decode=1), tp=4) == 1  # a plan for TP-4 engines
+    assert _apply(stack.server.address, Split(prefill=1, decode=1), tp=1) == 0
+    assert _apply(stack.server.address, Split(prefill=0, decode=2), tp=1) == 1  # mode switch refused
+    assert _apply(stack.server.address, Split(prefill=1, decode=1), tp=4) == 1  # a plan for TP-4 engines
 
 
 def test_reflection_lists_the_services(stack):

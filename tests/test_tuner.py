@@ -1,4 +1,4 @@
-"""The ratio tuner (planner): model fit, simulator known answers, placement search, CLI.
+"""The ratio tuner (planner): model fit, simulator known answers, split search, CLI.
 Pure Python and fast: no engines, no Ray."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from planner.model import (
     load_probe,
 )
 from planner.search import SearchSpace, capacity_bound, max_goodput, search
-from planner.simulator import SLO, Lengths, Placement, Workload, simulate
+from planner.simulator import SLO, Lengths, Split, Workload, simulate
 
 # The probe file's shape (what the cluster probe writes), with a few rows per phase.
 PROBE_EXAMPLE = {
@@ -168,7 +168,7 @@ def test_md1_waiting_time_matches_pollaczek_khinchine() -> None:
     Poisson arrivals at rho = 0.7: mean wait rho S / (2 (1 - rho))."""
     rho, service = 0.7, 1.0
     workload = Workload.poisson(40_000, Lengths(1000), Lengths(1), seed=0)
-    timeline = simulate(TOY, Placement(1, 1, token_budget=1000), workload, rho / service)
+    timeline = simulate(TOY, Split(1, 1, token_budget=1000), workload, rho / service)
     wait = float(np.mean(timeline.prefill_start - timeline.arrival))
     assert wait == pytest.approx(rho * service / (2 * (1 - rho)), rel=0.04)
 
@@ -182,7 +182,7 @@ def test_colocated_prefill_stalls_running_decode() -> None:
     """A is prefilled (0-1 s, first token), decodes 5 steps to 1.5 s, then B's prefill
     (1.5-2.5 s) stalls it; its last 5 steps end at 3.0 s. B joins the batch after its prefill."""
     workload = _two_requests()
-    timeline = simulate(TOY, Placement(0, 1), workload, workload.native_rate)
+    timeline = simulate(TOY, Split(0, 1), workload, workload.native_rate)
     assert timeline.first_token == pytest.approx([1.0, 2.5])
     assert timeline.last_token == pytest.approx([3.0, 2.6])
     assert timeline.tpot == pytest.approx([0.2, 0.1])
@@ -193,12 +193,12 @@ def test_disaggregated_prefill_makes_the_first_token() -> None:
     1.45-2.45 s on the same prefill instance (A's is done), 1 decode step on the now idle
     decode instance. A one-token answer never reaches decode."""
     workload = _two_requests()
-    timeline = simulate(TOY, Placement(1, 1), workload, workload.native_rate)
+    timeline = simulate(TOY, Split(1, 1), workload, workload.native_rate)
     assert timeline.first_token == pytest.approx([1.0, 2.45])
     assert timeline.last_token == pytest.approx([2.0, 2.55])
     assert timeline.tpot == pytest.approx([0.1, 0.1])
     one_token = Workload.trace([(0.0, 1000, 1), (1.45, 1000, 1)])
-    timeline = simulate(TOY, Placement(1, 1), one_token, one_token.native_rate)
+    timeline = simulate(TOY, Split(1, 1), one_token, one_token.native_rate)
     assert timeline.last_token == pytest.approx(timeline.first_token) and timeline.peak_batch == 0
 
 
@@ -206,8 +206,8 @@ def test_serving_overhead_delays_what_the_client_sees_but_no_engine() -> None:
     """The path's fixed cost adds to TTFT and end-to-end time, not to inter-token times, and
     it does not hold an engine: B's prefill still starts when A's ends."""
     workload = _two_requests()
-    plain = simulate(TOY, Placement(1, 1), workload, workload.native_rate)
-    timeline = simulate(replace(TOY, serving_overhead_s=0.02), Placement(1, 1), workload, workload.native_rate)
+    plain = simulate(TOY, Split(1, 1), workload, workload.native_rate)
+    timeline = simulate(replace(TOY, serving_overhead_s=0.02), Split(1, 1), workload, workload.native_rate)
     assert timeline.ttft == pytest.approx(plain.ttft + 0.02)
     assert timeline.e2e == pytest.approx(plain.e2e + 0.02)
     assert timeline.tpot == pytest.approx(plain.tpot)
@@ -228,8 +228,8 @@ def test_host_contention_stretches_engine_time_only() -> None:
     step takes twice as long, and nothing else changes."""
     workload = Workload.trace([(0.0, 1000, 11), (1.0, 1000, 11)])
     contended = replace(TOY, host=HostContention(1, 0.0, 0.5 / 11))
-    plain = simulate(TOY, Placement(1, 1), workload, 1.0)
-    slow = simulate(contended, Placement(1, 1), workload, 1.0)
+    plain = simulate(TOY, Split(1, 1), workload, 1.0)
+    slow = simulate(contended, Split(1, 1), workload, 1.0)
     assert slow.ttft == pytest.approx(2 * plain.ttft)
     assert slow.tpot == pytest.approx(2 * plain.tpot)
 
@@ -240,7 +240,7 @@ def test_decode_batch_limit_queues_the_rest() -> None:
     first). Same-instant arrivals share a step."""
     workload = Workload.trace([(0.0, 1, 4), (0.0, 1, 4), (0.0, 1, 4), (10.0, 1, 2)])
     instant_prefill = replace(TOY, prefill=PrefillCost(0.0, 0.0, 0.0))
-    timeline = simulate(instant_prefill, Placement(1, 1, batch_limit=2), workload, workload.native_rate)
+    timeline = simulate(instant_prefill, Split(1, 1, batch_limit=2), workload, workload.native_rate)
     assert timeline.last_token == pytest.approx([0.3, 0.3, 0.6, 10.1])
     assert timeline.peak_batch == 2
 
@@ -256,12 +256,12 @@ def _brute_force_best_split(workload: Workload, slo: SLO, space: SearchSpace, ra
     before a decode slot is ever waited for, so a finite run alone would pass any rate)."""
     best = (0, 0.0)
     for prefill in space.splits():
-        placement = Placement(prefill, space.instances - prefill, space.batch_limits[0])
-        capacity = capacity_bound(SEEDS, placement, workload).rate_rps
+        split = Split(prefill, space.instances - prefill, space.batch_limits[0])
+        capacity = capacity_bound(SEEDS, split, workload).rate_rps
         passing = [
             r
             for r in rates
-            if r <= capacity and simulate(SEEDS, placement, workload, r).meets(slo).mean() >= slo.attainment_target
+            if r <= capacity and simulate(SEEDS, split, workload, r).meets(slo).mean() >= slo.attainment_target
         ]
         rate = max(passing, default=0.0)
         if rate > best[1]:
@@ -286,7 +286,7 @@ def test_search_finds_the_brute_force_optimum(
     result = search(SEEDS, workload, slo, space)
     top = max(c.goodput_rps for c in result.candidates)
     brute_prefill, brute_rate = _brute_force_best_split(workload, slo, space, np.linspace(0.1, 1.2, 45) * top)
-    assert result.best.placement.prefill == brute_prefill == expected_prefill, name
+    assert result.best.split.prefill == brute_prefill == expected_prefill, name
     assert result.best.goodput_rps == pytest.approx(brute_rate, rel=0.05)
     assert result.best.summary is not None and result.best.summary.attainment >= slo.attainment_target
 
@@ -294,7 +294,7 @@ def test_search_finds_the_brute_force_optimum(
 def test_goodput_is_zero_when_the_slo_is_unreachable() -> None:
     workload = Workload.poisson(50, Lengths(2000), Lengths(10), seed=0)
     # A 2000-token prefill alone takes 0.6 s.
-    candidate = max_goodput(SEEDS, Placement(1, 1), workload, SLO(ttft_s=0.1, itl_s=1.0), gpus=2)
+    candidate = max_goodput(SEEDS, Split(1, 1), workload, SLO(ttft_s=0.1, itl_s=1.0), gpus=2)
     assert candidate.goodput_rps == 0 and candidate.summary is None
 
 
@@ -304,10 +304,10 @@ def test_larger_batch_limits_reuse_an_unfilled_smaller_one() -> None:
     result = search(SEEDS, workload, SLO(2.0, 0.1), space)
     by_split = {}
     for candidate in result.candidates:
-        by_split.setdefault(candidate.placement.prefill, []).append(candidate)
+        by_split.setdefault(candidate.split.prefill, []).append(candidate)
     small, large = by_split[2]
     assert not small.limit_reached  # one decode instance, prefill-bound: never 16 running
-    assert large.placement.batch_limit == 256 and large.goodput_rps == small.goodput_rps
+    assert large.split.batch_limit == 256 and large.goodput_rps == small.goodput_rps
 
 
 # --- command line ----------------------------------------------------------------------
@@ -326,7 +326,7 @@ def test_cli_fits_a_probe_and_writes_the_recommendation(tmp_path: Path, capsys: 
     assert main(argv) == 0
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
-    best = Placement(**result["best"]["placement"])
+    best = Split(**result["best"]["split"])
     assert f"recommended: {best.label}, decode batch limit {best.batch_limit}" in printed
     assert len(result["candidates"]) == 4 * 2  # colocated + 3 splits, 2 limits each
     assert PerformanceModel.load(tmp_path / "model.json") == PerformanceModel.from_probe(PROBE_EXAMPLE)
@@ -341,21 +341,21 @@ def test_cli_rejects_gpus_not_a_multiple_of_the_instance_size() -> None:
 # --- steady state: goodput never past capacity -----------------------------------------
 
 
-def _hand_capacity(placement: Placement, prompt: int, output: int) -> tuple[float, str]:
+def _hand_capacity(split: Split, prompt: int, output: int) -> tuple[float, str]:
     """From the seeds' per-token costs, by hand: prefill 1/3,288 s per prompt token with no
     fixed cost (batching does not help); decode with every batch at its limit, contexts at
     prompt + output/2 on average, one slot held for `output` - 1 steps (prefill samples the
     first token)."""
     d = SEEDS.decode
-    limit = placement.batch_limit
+    limit = split.batch_limit
     step = (
         d.fixed_s
         + d.per_sequence_s * limit
         + d.per_context_token_s * limit * (prompt + output / 2)
         + d.compute_per_sequence_s * max(0, limit - d.knee)
     )
-    prefill = placement.prefill * SEEDS_PREFILL_TOKENS_PER_S / prompt
-    decode = placement.decode * limit / ((output - 1) * step)
+    prefill = split.prefill * SEEDS_PREFILL_TOKENS_PER_S / prompt
+    decode = split.decode * limit / ((output - 1) * step)
     return (prefill, "prefill") if prefill < decode else (decode, "decode")
 
 
@@ -365,15 +365,15 @@ def test_goodput_with_a_loose_slo_is_the_capacity_bound_whatever_the_run_length(
     (~100x one prefill: loose enough that even one prefill instance's queue meets it at 95%
     load). Before, with TTFT <= 10 s, 7P:1D reported 14.2 req/s with 600 requests and 11.8
     with 4,000, past the 11.5 req/s seven prefill instances can serve at all."""
-    placement = Placement(prefill, 8 - prefill, 256)
-    expected, pool = _hand_capacity(placement, 2000, 100)
+    split = Split(prefill, 8 - prefill, 256)
+    expected, pool = _hand_capacity(split, 2000, 100)
     slo = SLO(ttft_s=60.0, itl_s=0.1)
     goodputs = []
     for count in (600, 4000):
         workload = Workload.poisson(count, Lengths(2000, 0.0), Lengths(100, 0.0), seed=0)
-        bound = capacity_bound(SEEDS, placement, workload)
+        bound = capacity_bound(SEEDS, split, workload)
         assert bound.bound == pool and bound.rate_rps == pytest.approx(expected, rel=1e-9)
-        candidate = max_goodput(SEEDS, placement, workload, slo, gpus=32)
+        candidate = max_goodput(SEEDS, split, workload, slo, gpus=32)
         assert expected * 0.95 <= candidate.goodput_rps <= expected
         goodputs.append(candidate.goodput_rps)
     assert goodputs[0] == pytest.approx(goodputs[1], rel=0.03)
@@ -382,11 +382,11 @@ def test_goodput_with_a_loose_slo_is_the_capacity_bound_whatever_the_run_length(
 
 
 def test_decode_bound_split_is_capped_at_its_decode_capacity() -> None:
-    placement = Placement(6, 1, 64)
-    expected, pool = _hand_capacity(placement, 200, 400)
+    split = Split(6, 1, 64)
+    expected, pool = _hand_capacity(split, 200, 400)
     assert pool == "decode"
     workload = Workload.poisson(600, Lengths(200, 0.0), Lengths(400, 0.0), seed=0)
-    candidate = max_goodput(SEEDS, placement, workload, SLO(ttft_s=30.0, itl_s=0.5), gpus=28)
+    candidate = max_goodput(SEEDS, split, workload, SLO(ttft_s=30.0, itl_s=0.5), gpus=28)
     assert candidate.capacity.bound == "decode"
     assert expected * 0.95 <= candidate.goodput_rps <= expected
 

@@ -27,7 +27,7 @@ from bench.tuner_validation import (
     fit_model,
     measured_p50s,
     per_request,
-    placement_of,
+    split_of,
     predict,
     predicted_p50s,
     relative_error,
@@ -42,7 +42,7 @@ from planner.model import (
     PrefillCost,
     TransferCost,
 )
-from planner.simulator import Placement, Timeline
+from planner.simulator import Split, Timeline
 from planner.trace import RequestSpec
 from vllm_engine.config import EngineConfig
 
@@ -150,23 +150,23 @@ def test_predict_on_a_hand_checked_trace() -> None:
     """1P:1D, two far-apart requests: prefill (0.1 s per 100 tokens) samples the first token,
     then transfer 0.01 s and 0.1 s per decode step: the first gap carries the transfer."""
     specs = [RequestSpec(0, 0.0, 100, 5), RequestSpec(1, 10.0, 200, 3)]
-    placement = Placement(1, 1, batch_limit=16, token_budget=8192)
-    timeline = predict(TOY, placement, specs)
+    split = Split(1, 1, batch_limit=16, token_budget=8192)
+    timeline = predict(TOY, split, specs)
     assert np.allclose(timeline.arrival, [0.0, 10.0])
     assert np.allclose(timeline.ttft, [0.1, 0.2])
     assert np.allclose(timeline.last_token - timeline.first_token, [0.01 + 4 * 0.1, 0.01 + 2 * 0.1])
-    colocated = predict(TOY, Placement(0, 2, 16, 8192), specs)
+    colocated = predict(TOY, Split(0, 2, 16, 8192), specs)
     assert np.allclose(colocated.ttft, [0.1, 0.2])  # the prefill samples the first token here too
 
 
-def test_placement_follows_the_engine_config() -> None:
+def test_split_follows_the_engine_config() -> None:
     class System:
         num_prefill, num_decode = 1, 1
 
-    placement = placement_of(System(), EngineConfig())
-    assert (placement.prefill, placement.decode) == (1, 1)
-    assert placement.batch_limit == EngineConfig().max_num_seqs == 16
-    assert placement.token_budget == EngineConfig().max_num_batched_tokens
+    split = split_of(System(), EngineConfig())
+    assert (split.prefill, split.decode) == (1, 1)
+    assert split.batch_limit == EngineConfig().max_num_seqs == 16
+    assert split.token_budget == EngineConfig().max_num_batched_tokens
 
 
 def test_fit_model_falls_back_on_flat_transfer_rows() -> None:
