@@ -160,12 +160,12 @@ class PlanningLoop:
 
 def _export(decision: Decision) -> None:
     DECISIONS.labels(decision.action).inc()
-    for split, split in (("running", decision.current), ("recommended", decision.recommended)):
-        SPLIT.labels("prefill", split).set(split.prefill)
-        SPLIT.labels("decode", split).set(split.decode)
-    for split, goodput in (("running", decision.current_goodput_rps), ("recommended", decision.recommended_goodput_rps)):
+    for which, split in (("running", decision.current), ("recommended", decision.recommended)):
+        SPLIT.labels("prefill", which).set(split.prefill)
+        SPLIT.labels("decode", which).set(split.decode)
+    for which, goodput in (("running", decision.current_goodput_rps), ("recommended", decision.recommended_goodput_rps)):
         if goodput is not None:
-            GOODPUT.labels(split).set(goodput)
+            GOODPUT.labels(which).set(goodput)
     for gauge, observed, predicted in (
         (TTFT_P90, decision.observed_ttft_p90_s, decision.predicted_ttft_p90_s),
         (ITL_P90, decision.observed_itl_p90_s, decision.predicted_itl_p90_s),
