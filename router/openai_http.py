@@ -29,7 +29,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult, TokenChunk
+from router import chat_prompt
 from router.admission import AdmissionController
+from router.openai_fields import CHAT, COMPLETIONS, refuse_what_is_not_honoured
 from router.metrics import REQUESTS
 from router.security import TokenRole, TokenTable
 
@@ -99,6 +101,11 @@ class OpenAIFront:
             REQUESTS.labels(_OUTCOMES.get(err.status, "internal")).inc()
             return err.response()
 
+        @app.exception_handler(InvalidRequestError)
+        async def invalid_request(request: Request, err: InvalidRequestError) -> JSONResponse:  # noqa: ARG001
+            REQUESTS.labels("invalid_argument").inc()
+            return invalid(str(err), err.field).response()
+
         @app.exception_handler(StarletteHTTPException)
         async def route_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
             # Unknown routes and methods in OpenAI's shape too, not FastAPI's {"detail": ...}.
@@ -135,18 +142,18 @@ class OpenAIFront:
             from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
             self._authorize(request)
-            body = self._parse(CompletionRequest, request, await request.body())
+            body = self._parse(CompletionRequest, COMPLETIONS, request, await request.body())
             prompt = await self._completion_prompt(body)
-            return await self._respond(request, body, prompt, _CompletionShape(self.model_name))
+            return await self._respond(request, body, prompt, _CompletionShape(self.model_name, body))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
             from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
             self._authorize(request)
-            body = self._parse(ChatCompletionRequest, request, await request.body())
+            body = self._parse(ChatCompletionRequest, CHAT, request, await request.body())
             prompt = await asyncio.to_thread(self._chat_prompt, body)
-            return await self._respond(request, body, prompt, _ChatShape(self.model_name))
+            return await self._respond(request, body, prompt, _ChatShape(self.model_name, body))
 
         return app
 
@@ -162,10 +169,11 @@ class OpenAIFront:
         if role not in (TokenRole.GENERATE, TokenRole.ADMIN):  # pragma: no cover (every role may generate today)
             raise HTTPError(403, "this token may not generate", "permission_error")
 
-    def _parse(self, model: type, request: Request, raw: bytes) -> Any:
+    def _parse(self, model: type, endpoint: str, request: Request, raw: bytes) -> Any:
         """The body as vLLM's request model; every way it can be malformed is a 400 naming
         the field (vLLM's own validators raise VLLMValidationError, which pydantic does not
-        wrap: unhandled, it was a 500)."""
+        wrap: unhandled, it was a 500), and so is every field set to something pdserve does
+        not do (router/openai_fields.py)."""
         from pydantic import ValidationError
         from vllm.exceptions import VLLMValidationError
 
@@ -195,8 +203,7 @@ class OpenAIFront:
                 404, f"model {body.model!r} is not served here: use {self.model_name!r}", "invalid_request_error",
                 "model", code="model_not_found",
             )  # fmt: skip
-        if (body.n or 1) != 1:
-            raise invalid("n: pdserve returns one choice per request", "n")
+        refuse_what_is_not_honoured(body, endpoint)
         return body
 
     async def _completion_prompt(self, body: Any) -> tuple[int, ...]:
@@ -206,27 +213,21 @@ class OpenAIFront:
         if isinstance(prompt, str):
             if len(prompt.encode()) > self._max_prompt_bytes:
                 raise invalid(f"prompt: at most {self._max_prompt_bytes:,} bytes", "prompt")
-            return tuple(await asyncio.to_thread(self._tokenizer.encode, prompt))
+            return tuple(await asyncio.to_thread(self._tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens))
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return tuple(prompt)
         raise invalid("prompt: one string or one list of token ids per request", "prompt")
 
     def _chat_prompt(self, body: Any) -> tuple[int, ...]:
-        from jinja2 import TemplateError
-
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise invalid(f"model {self.model_name} has no chat template: use /v1/completions")
-        if not body.messages:
-            raise invalid("messages: give at least one message", "messages")
-        messages = [dict(m) if not isinstance(m, dict) else m for m in body.messages]
-        size = len(json.dumps(messages, default=str).encode())
+        size = len(json.dumps(body.messages, default=str).encode())
         if size > self._max_prompt_bytes:
             raise invalid(f"messages: at most {self._max_prompt_bytes:,} bytes", "messages")
         try:
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        except TemplateError as err:  # the model's template refuses them (a role it does not know, ...)
-            raise invalid(f"messages: the model's chat template refused them: {err}", "messages") from None
-        return tuple(self._tokenizer.encode(text, add_special_tokens=False))
+            return chat_prompt.prompt_ids(self._tokenizer, body)
+        except ValueError as err:  # Hugging Face's checks (continue_final_message without a final message)
+            if isinstance(err, InvalidRequestError):
+                raise
+            raise invalid(f"messages: {err}", "messages") from None
 
     def _sampling(self, body: Any, shape: "_Shape", prompt_tokens: int) -> SamplingConfig:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
@@ -264,10 +265,14 @@ class OpenAIFront:
             raise HTTPError(503, str(err), "service_unavailable") from None
         events = self._events(request, slot)
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            options = body.stream_options
+            include_usage = bool(options and options.include_usage)
+            # vLLM's extension: usage so far in every chunk too
+            continuous = include_usage and bool(options.continuous_usage_stats)
             shape.chunk(None, None)  # builds the chunk template while prefill runs, off the first token's path
             first = await _first_or_error(events)
-            return StreamingResponse(shape.stream(first, events, include_usage), media_type="text/event-stream")
+            stream = shape.stream(first, events, include_usage, len(prompt) if continuous else None)
+            return StreamingResponse(stream, media_type="text/event-stream")
         # Not streamed: nothing is written until the end, so watch the connection instead; a
         # client that leaves aborts the request on whichever engine holds it.
         whole = asyncio.ensure_future(_collect(events))
@@ -373,9 +378,10 @@ def _sse(payload: Any) -> bytes:
 class _Shape:
     """How one endpoint reads its fields and shapes its responses."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, body: Any) -> None:
         self.model_name = model_name
-        self.id = f"{self.prefix}-{uuid.uuid4().hex}"
+        # vLLM's response id: the client's request_id where it set one
+        self.id = f"{self.prefix}-{body.request_id if 'request_id' in body.model_fields_set else uuid.uuid4().hex}"
         self.created = int(time.time())
         self._template: dict[str, Any] | None = None
 
@@ -413,19 +419,33 @@ class _Shape:
     def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
         raise NotImplementedError
 
-    async def stream(self, first: Any, events: Any, include_usage: bool) -> AsyncIterator[bytes]:
+    async def stream(
+        self, first: Any, events: Any, include_usage: bool, continuous_prompt_tokens: int | None
+    ) -> AsyncIterator[bytes]:
+        """`continuous_prompt_tokens`: put the usage so far in every chunk (None: don't)."""
+        generated = 0
         try:
             event = first
             while True:
                 if isinstance(event, GenerationResult):
                     final = self.chunk(None, event.finish_reason)
                     final["pdserve_timings"] = _timings(event)
+                    if continuous_prompt_tokens is not None:
+                        final["usage"] = _usage(event).model_dump()
                     yield _sse(final)
                     if include_usage:
                         usage = {**self.chunk(None, None), "choices": [], "usage": _usage(event).model_dump()}
                         yield _sse(usage)
                     break
-                yield _sse(self.chunk(event, None))
+                chunk = self.chunk(event, None)
+                if continuous_prompt_tokens is not None:
+                    generated += len(event.token_ids)
+                    chunk["usage"] = {
+                        "prompt_tokens": continuous_prompt_tokens,
+                        "completion_tokens": generated,
+                        "total_tokens": continuous_prompt_tokens + generated,
+                    }
+                yield _sse(chunk)
                 event = await anext(events)
         except HTTPError as err:  # mid-stream: the status line is sent, say it in the stream
             yield _sse(err.body())

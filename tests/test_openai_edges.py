@@ -132,7 +132,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         (CHAT, {"messages": [{"content": "no role"}]}, "messages"),
         (CHAT, {"messages": MESSAGES, "max_completion_tokens": 0}, "max_completion_tokens"),
         (CHAT, {"messages": MESSAGES, "max_tokens": 0}, "max_tokens"),
-        (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        (CHAT, {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "logprobs"),
         (CHAT, {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
         (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
         (CHAT, {"messages": MESSAGES, "n": 3}, "n"),

@@ -1,0 +1,216 @@
+"""Every field of vLLM's OpenAI request models, placed: honoured end to end through
+prefill/decode, or refused by name. The single source: the HTTP front refuses with it, docs/api.md
+is rendered from it (`python -m router.openai_fields`), and a test fails when vLLM's models gain a
+field it does not place.
+
+Honoured means the answer is what a colocated vLLM engine gives for the field (a real-engine test
+shows it, tests/test_openai_fields_engine.py), on the first token that prefill samples and on
+decode's continuation alike. Refused means a request that sets the field to anything but a value
+that asks for nothing (its default, or a no-op such as `frequency_penalty: 0`) gets 400 naming it:
+never accepted and dropped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+from messages.errors import InvalidRequestError
+
+COMPLETIONS, CHAT = "completions", "chat"
+BOTH = (COMPLETIONS, CHAT)
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    name: str
+    honoured: bool
+    why: str
+    endpoints: tuple[str, ...] = BOTH
+    # Values besides the model's default that ask for nothing: accepted where the field is refused.
+    neutral: tuple[Any, ...] = ()
+    # For structured values (a pydantic model) that ask for nothing.
+    is_neutral: Callable[[Any], bool] | None = None
+
+    def asks_for_nothing(self, value: Any, default: Any) -> bool:
+        if self.is_neutral is not None and self.is_neutral(value):
+            return True
+        return _same(value, default) or any(_same(value, v) for v in self.neutral)
+
+
+def _same(a: Any, b: Any) -> bool:
+    # bool is an int: `True` must not pass for a neutral `1`.
+    return type(a) is type(b) and a == b if isinstance(a, bool) or isinstance(b, bool) else a == b
+
+
+def _honoured(name: str, why: str, endpoints: tuple[str, ...] = BOTH) -> Placement:
+    return Placement(name, True, why, endpoints)
+
+
+def _refused(name: str, why: str, *neutral: Any, endpoints: tuple[str, ...] = BOTH, is_neutral=None) -> Placement:
+    return Placement(name, False, why, endpoints, neutral, is_neutral)
+
+
+def _text_format(value: Any) -> bool:
+    return getattr(value, "type", None) == "text" or (isinstance(value, dict) and value.get("type") == "text")
+
+
+_NOT_RENDER = "used by vLLM's /render endpoints only; pdserve has none"
+
+TABLE: tuple[Placement, ...] = (
+    # --- what to generate from ---------------------------------------------------------------
+    _honoured("model", "checked: the served model's name (or left out); any other is 404 model_not_found"),
+    _honoured("prompt", "one text or one list of token ids (a batch of one is unwrapped)", (COMPLETIONS,)),
+    _honoured("messages", "rendered with the model's chat template; text content parts joined as vLLM does", (CHAT,)),
+    _honoured("add_special_tokens", "passed to the router's tokenizer, which makes the prompt ids"),
+    _honoured("add_generation_prompt", "passed to the chat template", (CHAT,)),
+    _honoured("continue_final_message", "passed to the chat template (vLLM refuses it together with add_generation_prompt)", (CHAT,)),
+    _refused("echo", "not implemented: the prompt is not returned with the completion", None, False),
+    _refused("suffix", "fill-in-the-middle needs a model that renders it (vLLM refuses it too)", None, "", endpoints=(COMPLETIONS,)),
+    _refused("prompt_embeds", "pdserve sends token ids to its engines, not embeddings", None, [], endpoints=(COMPLETIONS,)),
+    _refused("truncate_prompt_tokens", "not implemented: a prompt that does not fit is refused, never cut", None),
+    _refused("truncation_side", "only with truncate_prompt_tokens, which is refused", None),
+    _refused("documents", "not implemented: RAG documents are not passed to the chat template", None, endpoints=(CHAT,)),
+    _refused("chat_template", "a template from the request is code from the client (vLLM refuses it unless trusted)", None, endpoints=(CHAT,)),
+    _refused("chat_template_kwargs", "not implemented: no extra chat template arguments", None, {}, endpoints=(CHAT,)),
+    _refused("media_io_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
+    _refused("mm_processor_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
+    # --- how long -------------------------------------------------------------------------------
+    _honoured("max_tokens", "the output's length cap; completions default 16, chat the context's end (as vLLM)"),
+    _honoured("max_completion_tokens", "as max_tokens (it wins where both are set)", (CHAT,)),
+    _honoured("stop", "stop strings: decode computes the whole output, so a string across the first token is seen"),
+    _honoured("stop_token_ids", "checked by each engine on every token it samples"),
+    _honoured("ignore_eos", "applies on both legs"),
+    _refused("min_tokens", "not yet shown equal to a colocated engine through P/D", 0),
+    _refused("include_stop_str_in_output", "not yet shown equal to a colocated engine through P/D", False),
+    # --- sampling ---------------------------------------------------------------------------
+    _honoured("temperature", "applies on both legs; default 1 (OpenAI's)"),
+    _honoured("top_p", "applies on both legs"),
+    _honoured("top_k", "applies on both legs (0 or -1: off)"),
+    _refused("seed", "not yet shown equal to a colocated engine through P/D", None),
+    _refused("min_p", "not yet shown equal to a colocated engine through P/D", None, 0, 0.0),
+    _refused("logit_bias", "not yet shown equal to a colocated engine through P/D", None, {}),
+    _refused("allowed_token_ids", "not yet shown equal to a colocated engine through P/D", None),
+    _refused("bad_words", "not yet shown equal to a colocated engine through P/D", None, []),
+    _refused("presence_penalty", "decode would not count the first token as output (vLLM counts output only)", None, 0, 0.0),
+    _refused("frequency_penalty", "decode would not count the first token as output (vLLM counts output only)", None, 0, 0.0),
+    _refused("repetition_penalty", "not yet shown equal to a colocated engine through P/D", None, 1, 1.0),
+    _refused("n", "one choice per request: n continuations of one prefill are not implemented", 1),
+    _refused("use_beam_search", "beam search does not run through P/D", False),
+    _refused("length_penalty", "beam search only, which is refused", 1, 1.0),
+    _refused("watermarking", "not implemented", None, False),
+    _refused("logprob_token_ids", "not implemented: logprobs of chosen ids", None, []),
+    _refused("repetition_detection", "not implemented", None),
+    _refused("thinking_token_budget", "no reasoning parser runs", None, -1),
+    _refused("response_format", "structured outputs through P/D are not implemented", None, is_neutral=_text_format),
+    _refused("structured_outputs", "structured outputs through P/D are not implemented", None),
+    _refused("tools", "tool calling is not implemented", None, [], endpoints=(CHAT,)),
+    _refused("tool_choice", "tool calling is not implemented", "none", None, endpoints=(CHAT,)),
+    _refused("parallel_tool_calls", "tool calling is not implemented", True, None, endpoints=(CHAT,)),
+    _refused("reasoning_effort", "no reasoning parser runs", None, endpoints=(CHAT,)),
+    _refused("include_reasoning", "no reasoning parser runs, so there is no reasoning to leave out", True, endpoints=(CHAT,)),
+    # --- what comes back -------------------------------------------------------------------------
+    _honoured("stream", "server-sent events, a chunk per engine step"),
+    _honoured("stream_options", "include_usage, and vLLM's continuous_usage_stats (usage in every chunk)"),
+    _refused("logprobs", "not yet returned through the HTTP front", None, False),
+    _refused("top_logprobs", "not yet returned through the HTTP front", 0, None, endpoints=(CHAT,)),
+    _refused("prompt_logprobs", "not implemented: prefill does not return prompt logprobs", None),
+    _refused("return_tokens_as_token_ids", "not yet (with logprobs)", None, False),
+    _refused("return_token_ids", "not implemented", None, False),
+    _refused("return_prompt_text", "not implemented", None, False, endpoints=(CHAT,)),
+    _refused("skip_special_tokens", "not implemented: special tokens are always skipped", True),
+    _refused("spaces_between_special_tokens", "not implemented", True),
+    _refused("stream_interval", "a chunk per engine step", None, 1),
+    _refused("routed_experts_prompt_start", "no mixture-of-experts routing data is returned", 0),
+    _refused("return_token_offsets", _NOT_RENDER, False, None),
+    _refused("mm_payload", _NOT_RENDER, "tensors"),
+    _refused("return_mm_kwargs", _NOT_RENDER, None),
+    # --- serving ------------------------------------------------------------------------------------
+    _honoured("user", "an end user's id for the operator; it changes no output (at OpenAI and vLLM neither)"),
+    _honoured("request_id", "the response's id (cmpl-<request_id>); engines run each leg under an id of their own"),
+    _refused("session_id", "pdserve routes by engine load, not by session", None),
+    _refused("priority", "engines schedule first come, first served", 0),
+    _refused("cache_salt", "not implemented: prefix caches are not salted per request", None),
+    _refused("kv_transfer_params", "the router owns every KV transfer", None, {}),
+    _refused("ec_transfer_params", "no encoder cache transfer", None, {}),
+    _refused("vllm_xargs", "no custom extensions", None, {}),
+)
+
+# The gRPC API's own request (proto/pdserve/v1/generate.proto): pdserve's fields, all honoured.
+GRPC_TABLE: tuple[Placement, ...] = tuple(
+    Placement(name, True, why, ("grpc",))
+    for name, why in (
+        ("request_id", "shown back in the final message and logs; engines run each leg under an id of their own"),
+        ("text", "the prompt as text, tokenized by the router"),
+        ("token_ids", "the prompt as token ids, sent to the engines as they are"),
+        ("sampling.max_tokens", "the output's length cap; unset: 64"),
+        ("sampling.temperature", "unset: 0 (greedy)"),
+        ("sampling.top_p", "applies on both legs"),
+        ("sampling.top_k", "applies on both legs"),
+        ("sampling.seed", "prefill's first token is the seed's; decode continues with a seed derived from it"),
+        ("sampling.stop", "decode computes the whole output, so a string across the first token is seen"),
+        ("sampling.stop_token_ids", "checked by each engine on every token it samples"),
+        ("sampling.ignore_eos", "applies on both legs"),
+        ("sampling.logprobs", "top alternatives per token, the first token's from prefill"),
+    )
+)
+
+_BY_ENDPOINT: dict[str, dict[str, Placement]] = {
+    endpoint: {p.name: p for p in TABLE if endpoint in p.endpoints} for endpoint in BOTH
+}
+
+
+def placements(endpoint: str) -> dict[str, Placement]:
+    return _BY_ENDPOINT[endpoint]
+
+
+def refuse_what_is_not_honoured(body: Any, endpoint: str) -> None:
+    """Raise InvalidRequestError naming the first field `body` (a vLLM request model) sets to
+    something pdserve does not do, or a field no model has."""
+    table = _BY_ENDPOINT[endpoint]
+    for name in sorted(body.model_fields_set):
+        placement = table.get(name)
+        if placement is None:
+            if name in type(body).model_fields:  # a new vLLM field: tests/test_openai_fields.py says so
+                raise InvalidRequestError(name, "pdserve does not place this field yet: leave it out")
+            raise InvalidRequestError(name, "unrecognized request argument (OpenAI's and vLLM's fields only): leave it out")
+        if placement.honoured:
+            continue
+        field = type(body).model_fields[name]
+        default = field.get_default(call_default_factory=True)
+        if not placement.asks_for_nothing(getattr(body, name), default):
+            raise InvalidRequestError(name, f"not supported through pdserve ({placement.why}): leave it out")
+
+
+def markdown(rows: Iterable[Placement] = TABLE) -> str:
+    """A table as docs/api.md shows it: honoured rows first."""
+    lines = ["| field | endpoints | | why |", "|---|---|---|---|"]
+    for p in sorted(rows, key=lambda p: (not p.honoured, p.name)):
+        where = "both" if p.endpoints == BOTH else ", ".join(p.endpoints)
+        lines.append(f"| `{p.name}` | {where} | {'honoured' if p.honoured else 'refused'} | {p.why} |")
+    return "\n".join(lines) + "\n"
+
+
+# docs/api.md holds the tables between these lines; `python -m router.openai_fields` rewrites them.
+BEGIN, END = "<!-- request-fields: begin (python -m router.openai_fields) -->", "<!-- request-fields: end -->"
+
+
+def rendered_section() -> str:
+    return (
+        f"{BEGIN}\n### HTTP (`/v1/completions`, `/v1/chat/completions`)\n\n{markdown(TABLE)}\n"
+        f"### gRPC (`pdserve.v1.Generation/Generate`)\n\n{markdown(GRPC_TABLE)}{END}"
+    )
+
+
+def with_section(doc: str) -> str:
+    head, _, rest = doc.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return head + rendered_section() + tail
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+    path.write_text(with_section(path.read_text()))
+    print(f"wrote the request-field tables into {path}")
