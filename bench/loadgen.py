@@ -53,7 +53,6 @@ from planner.trace import RequestSpec, parse_trace
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from configuration.flags import add_flags, build
-from router.security import ClientCredentials
 from router.client import build_request, stream_generate
 from router.security import ClientCredentials
 

@@ -336,7 +336,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             runs.append(
                 {
                     "split": label,
-                    "split": asdict(split),
+                    "engines": asdict(split),
                     "rate": rate,
                     "sent": s.sent,
                     "completed": s.completed,
