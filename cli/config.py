@@ -36,6 +36,9 @@ class ServeConfig:
     routers: int = knob(1, help="router processes (Ray actors, spread over nodes; on one host they share the port)")
     router: RouterSettings = section(RouterSettings, title="routers")
     drain_timeout_s: float = knob(30.0, flag="drain-timeout", help="seconds live streams get to finish on SIGTERM")
+    allow_unauthenticated: bool = knob(
+        False, help="serve gRPC or HTTP on a non-loopback address without --tokens-file (anyone who reaches it may generate)"
+    )
     planner: PlannerSettings = section(PlannerSettings, title="closed-loop planner (changes the split as the traffic shifts)")
 
     def __post_init__(self) -> None:
@@ -43,10 +46,29 @@ class ServeConfig:
             raise ValueError(f"routers {self.routers}: at least one router must take traffic")
         if self.drain_timeout_s < 0:
             raise ValueError(f"drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        exposed = [a for a in (self.router.listen, self.router.http) if a and not _is_loopback(a)]
+        if exposed and self.router.front.tokens is None and not self.allow_unauthenticated:
+            raise ValueError(
+                f"{', '.join(exposed)} is not loopback and no tokens are set: anyone who reaches it could generate "
+                "and resize the pools. Give --tokens-file (or $PDSERVE_TOKENS), listen on 127.0.0.1, "
+                "or pass --allow-unauthenticated"
+            )
         # The routers tokenize for the engines' model and route by the one policy.
         router = replace(self.router, model=self.deployment.engine.model)
         object.__setattr__(self, "router", router)
         object.__setattr__(self, "deployment", replace(self.deployment, policy=router.policy))
+
+
+def _is_loopback(address: str) -> bool:
+    import ipaddress
+
+    host = address.rpartition(":")[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True, slots=True)

@@ -136,9 +136,8 @@ async def _serve(config: "ServeConfig") -> int:
         raise
     first = routers[0]
     shared = f" ({len(routers)} routers)" if len(routers) > 1 else ""
-    if front.tokens is None and not router.listen.startswith(("127.", "localhost", "[::1]")):
-        print(f"warning: {router.listen} is not loopback and no tokens are set: anyone who reaches it can "
-              "generate and resize the pools (--tokens-file)", file=sys.stderr)
+    if front.tokens is None and config.allow_unauthenticated:
+        print("warning: --allow-unauthenticated: anyone who reaches the front door may generate and resize", file=sys.stderr)
     print(f"serving pdserve.v1.Generation on {first.grpc}{shared}", file=sys.stderr)
     if first.http:
         print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{first.http}/v1{shared}", file=sys.stderr)

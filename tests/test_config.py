@@ -101,6 +101,18 @@ def test_a_bad_value_is_refused_naming_its_field(flags, named):
         parse(*flags)
 
 
+@pytest.mark.parametrize("flags", [["--listen", "0.0.0.0:50051"], ["--http", "198.18.0.1:8000"], ["--listen", "myhost:1"]])
+def test_a_front_door_beyond_loopback_needs_tokens_or_an_explicit_yes(flags, monkeypatch, tmp_path):
+    monkeypatch.delenv("PDSERVE_TOKENS", raising=False)
+    with pytest.raises(ValueError, match="not loopback and no tokens"):
+        parse(*flags)
+    assert parse(*flags, "--allow-unauthenticated").allow_unauthenticated
+    tokens = tmp_path / "tokens"
+    tokens.write_text("generate:" + "t" * 16)
+    assert parse(*flags, "--tokens-file", str(tokens)).router.front.tokens is not None
+    assert parse("--listen", "[::1]:50051", "--http", "localhost:8000").router.front.tokens is None
+
+
 def test_serve_refuses_a_bad_value_before_anything_starts(capsys):
     assert main(["serve", "--lease", "0"]) == 2
     assert "lease_s must be >= 1" in capsys.readouterr().err

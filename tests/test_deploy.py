@@ -444,7 +444,7 @@ def test_launch_keeps_grpc_and_metrics_on_the_heads_loopback_without_tls_and_tok
     _, config = _launch_on_head(monkeypatch, tmp_path, nodes, [], ("--tls-dir", str(tmp_path / "front")))
     router = config.router
     assert router.front.tls and router.front.tokens is None and router.listen == "127.0.0.1:50051", "TLS without tokens"
-    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, ["--listen", "0.0.0.0:6000"])
+    _, config = _launch_on_head(monkeypatch, tmp_path, nodes, ["--listen", "0.0.0.0:6000", "--allow-unauthenticated"])
     assert config.router.listen == "0.0.0.0:6000", "an explicit --listen wins"
 
 
