@@ -58,9 +58,9 @@ class Member:
     missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
     # (when, +1 started / -1 finished) for this router's requests not yet in a load report.
-    # Timed, not counted at the report's arrival: a report reaches the router through the
-    # controller a poll interval late, and counting then dropped the requests this router
-    # started in between (a second router put 4 streams on one engine and 2 on the other).
+    # Timed against when the engine measured the report, not when it arrived: it reaches the
+    # router through the controller a poll interval late, and requests started meanwhile
+    # must still count.
     _changes: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
 
     @property

@@ -132,7 +132,7 @@ class PlanningLoop:
         prefill, decode = self._split()
         observation = IntervalObservation(self._start, end, prefill, decode, tuple(self._finished), self._arrivals)
         self._finished, self._arrivals, self._start = [], 0, end
-        # The search simulates for up to a second or so: off the loop that answers routers.
+        # The search simulates every candidate split (CPU-bound): off the loop that answers routers.
         decision = await asyncio.to_thread(self._planner.step, observation)
         self.decisions.append(decision)
         self.log_lines.append(decision.log_line())
