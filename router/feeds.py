@@ -22,10 +22,9 @@ class LegInbox:
     """One request's events from its feed, taken all at once.
 
     Not an asyncio.Queue read under asyncio.timeout: per token those cost a future, a timer
-    and three get_running_loop() calls, each a getpid() syscall on Python 3.11 (a py-spy
-    profile of the router under bench/router_capacity.py put 12% of its event loop there).
-    Here a token costs a list append; a stalled request is found by its feed's periodic
-    check instead of a timer per token."""
+    and three get_running_loop() calls, each a getpid() syscall on Python 3.11, on the
+    router's busiest path. Here a token costs a list append; a stalled request is found by
+    its feed's periodic check instead of a timer per token."""
 
     __slots__ = ("_events", "_loop", "_waiter", "last_event_at")
 

@@ -30,10 +30,9 @@ class GapHistogram:
     """A Prometheus histogram observed a whole request's values at once.
 
     prometheus_client's Histogram takes one value per call, each with a label lookup and a
-    lock: for the inter-token gaps (one per streamed token) that was a third of the router's
-    request-path CPU at 64 tokens per request (py-spy of bench.router_capacity). This keeps
-    plain counts per label and bucket, updated under one lock per request, and exports them
-    through a collector in the same exposition format."""
+    lock: too dear once per streamed token (the inter-token gaps) on the router's request
+    path. This keeps plain counts per label and bucket, updated under one lock per request,
+    and exports them through a collector in the same exposition format."""
 
     def __init__(self, name: str, documentation: str, label: str, buckets: Sequence[float]) -> None:
         self._name, self._documentation, self._label = name, documentation, label
