@@ -3,13 +3,11 @@ tokens, a batch per engine step, instead of one message per request per token. T
 not held back: a batch goes out as soon as the step's outputs are in, whatever their number.
 
 The batches travel over a plain TCP connection from the decode actor to the router
-(FeedServer), not as Ray streaming-generator items: on this box each Ray item cost the
-consumer 0.6-1.6 ms of CPU and the producer about as much again (a 32-event batch every
-5-50 ms, measured with psutil per thread), which was ~30% of the router's CPU per token at
-64 streams; a socket write and read cost tens of microseconds. The router starts and aborts
-its requests over the same connection too: a Ray call took 1.5-2.9 ms from the router to
-start_leg here, all of it between the client's first token (prefill's) and its second.
-Ray still renews the feed's lease and tells the router where the feed is.
+(FeedServer), not as Ray streaming-generator items: a Ray item costs both ends far more CPU
+than a socket write and read, once per batch on the router's hot path. The router starts and
+aborts its requests over the same connection too, since a Ray call to start one would sit
+between the client's first token (prefill's) and its second. Ray still renews the feed's
+lease and tells the router where the feed is.
 """
 
 from __future__ import annotations

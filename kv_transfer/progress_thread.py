@@ -2,8 +2,7 @@
 
 Why it matters: a READ over UCX on host memory (and over TCP) needs the *producer's* UCX
 worker to make progress. Without a progress thread only vLLM's engine step drives it, so a
-pull that arrives while the producer runs the next prefill waits for that whole step (on
-this box: 15 ms became ~270 ms when a second prompt followed the first 30-100 ms later).
+pull that arrives while the producer runs the next prefill waits for that whole step.
 
 NIXL's UCX progress thread sleeps in poll() on the UCX workers' event fds, waking on
 traffic or after `pthrDelay` (rounded up to whole ms). nixl's Python agent hard-codes the
