@@ -4,9 +4,9 @@ NixlConnector needs the Gated-DeltaNet conv state stored dim-first ("DS", HYBRID
 On CPUs with AVX512-BF16 (or Arm bf16), vLLM 0.32's GDN decode runs its packed-weight conv
 kernel, which reads the state state-first; for DS it therefore gathers each layer's states
 into a scratch copy before the kernel and scatters them back after, every step
-(`gdn_attention._stage_ds_conv_states` / `_scatter_ds_conv_states`). On the embedded model
-that is about a tenth of a decode step (`python -m bench.decode_step`: 3.15 vs 2.88 ms), a
-cost stock vLLM (state-first, no transfer) does not pay.
+(`gdn_attention._stage_ds_conv_states` / `_scatter_ds_conv_states`): two copies of every
+layer's states per decode step, a cost stock vLLM (state-first, no transfer) does not pay
+(`python -m bench.decode_step` measures it; docs/benchmarks.md).
 
 vLLM has a kernel that reads DS in place: `causal_conv1d_update_cpu_vec`, which its own GDN
 path runs on CPUs without AVX512-BF16 (`gdn_attention.causal_conv1d_update_cpu`). It needs

@@ -4,17 +4,14 @@ helpers anywhere the process may run.
 vLLM 0.32's NixlConnector, on CPU, moves the thread that builds it onto the last core of
 each NUMA node ("reserve different cores for start_load_kv() from model_forward()"). That
 assumes the forward runs on other OpenMP threads; with one core per engine the forward runs
-on the calling thread itself, so every engine with a connector ended up on the same last
-core: a prefill engine and a decode engine on a 2-core box shared core 1 (each prefill took
-twice as long while decode ran) and core 0 sat idle.
+on the calling thread itself, so every engine with a connector would share the host's last
+core while the others sit idle.
 
 So the engine's Python threads (the loop that runs the forward, and the actor's asyncio
 thread, which shares its GIL) go back onto the engine's cores. Its native helper threads do
 not: NIXL's progress thread and Ray's I/O threads wake on traffic, and pinned beside the
-forward every wake-up preempted it. Left free, in 1P+1D single streams on this box, the
-handoff's first decode gap fell from 11.6-11.9 ms to 8.4-8.8 ms and the decode ITL p90 from
-4.5 to 4.0-4.2 ms. Python threads stay with the forward on purpose: they take the GIL from
-it, and moving them to another core too made the same ITL worse (3.9 vs 3.7 ms p50).
+forward every wake-up would preempt it. Python threads stay with the forward on purpose: on
+another core they would take the GIL from it mid-step.
 """
 
 from __future__ import annotations

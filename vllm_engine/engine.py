@@ -2,7 +2,8 @@
 
 Two implementations behind one interface:
 - `EngineLoop` (vllm_engine.loop): vLLM's LLMEngine in the actor's process, stepped on one
-  thread. CPU default: no engine-core process to start (17-36 s here) or to spin a core.
+  thread. CPU default: no engine-core process to start (slow on a small CPU host) or to
+  spin a core.
 - `AsyncEngine` (vllm_engine.async_engine): vLLM's AsyncLLM, the engine core in its own
   process with async scheduling, as vLLM's own server runs it. GPU default: the front end
   (detokenizing, streaming) never stalls the GPU's next step.

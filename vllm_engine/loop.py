@@ -1,7 +1,7 @@
 """Drive one in-process vLLM engine from asyncio, with continuous batching.
 
-vLLM's AsyncLLM always runs the engine core in a second process; on small CPU boxes that
-costs 17-36 s of start-up and a core of spin-waiting. `LLMEngine` with
+vLLM's AsyncLLM always runs the engine core in a second process; on a small CPU host that
+process lengthens start-up and spin-waits a whole core. `LLMEngine` with
 VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the core in-process, but is synchronous. This class
 owns such an engine on one thread: it takes new requests and aborts between steps, runs
 `step()` while anything is scheduled (every step advances every running request: that is
