@@ -40,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     prompt = [(31 * k + 3) % 2000 + 1 for k in range(args.prompt_len)]
 
     def decode_steps(request_id: str, output_len: int) -> list[float]:
-        engine.add_request(request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=output_len, ignore_eos=True))
+        engine.add_request(
+            request_id, {"prompt_token_ids": prompt}, SamplingParams(max_tokens=output_len, ignore_eos=True)
+        )
         steps = []
         while engine.has_unfinished_requests():
             started = time.perf_counter()
@@ -54,9 +56,15 @@ def main(argv: list[str] | None = None) -> int:
         for name, update in variants.items():
             gdn._causal_conv1d_update_cpu = update
             medians[name].append(statistics.median(decode_steps(f"{name}-{round_}", args.output_len)))
-            print(f"round {round_ + 1}/{args.rounds} {name}: {medians[name][-1] * 1e3:.3f} ms", file=sys.stderr, flush=True)
+            print(
+                f"round {round_ + 1}/{args.rounds} {name}: {medians[name][-1] * 1e3:.3f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
     staged_ms, in_place_ms = (statistics.median(medians[name]) * 1e3 for name in variants)
-    print(f"decode step p50 ({args.prompt_len}-token prompt, {args.output_len} tokens, median of {args.rounds} requests):")
+    print(
+        f"decode step p50 ({args.prompt_len}-token prompt, {args.output_len} tokens, median of {args.rounds} requests):"
+    )
     print(f"  vLLM staged conv update       {staged_ms:7.3f} ms")
     print(f"  pdserve in-place conv update  {in_place_ms:7.3f} ms   ({in_place_ms / staged_ms:.2f}x)")
     return 0

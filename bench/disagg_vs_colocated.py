@@ -110,7 +110,9 @@ async def run(lengths: list[int], reps: int, max_tokens: int, model: str, tp: in
             for rep in range(reps):
                 prompt = _prompt(length, rep)
                 co.append(await _colocated(colocated, GenerateRequest(f"c-{length}-{rep}", prompt, sampling)))
-                sample, result = await _disaggregated(orchestrator, GenerateRequest(f"d-{length}-{rep}", prompt, sampling))
+                sample, result = await _disaggregated(
+                    orchestrator, GenerateRequest(f"d-{length}-{rep}", prompt, sampling)
+                )
                 pd.append(sample)
                 results.append(result)
             c_ttft = statistics.median(s.ttft_s for s in co)
@@ -152,7 +154,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of every engine")
-    parser.add_argument("--out", type=Path, default=None, help="JSON (default bench/results/disagg_vs_colocated[_tpN].json)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="JSON (default bench/results/disagg_vs_colocated[_tpN].json)"
+    )
     args = parser.parse_args()
     args.out = args.out or Path(f"bench/results/disagg_vs_colocated{f'_tp{args.tp}' if args.tp > 1 else ''}.json")
     start_local()

@@ -76,8 +76,13 @@ def plot(results: list[RateResult], path: Path) -> None:
     ax.set_ylabel("completed requests / s")
     ax.set_title("1P+1D: saturation vs 2x overload (admission on)")
     for i, r in enumerate(results):
-        ax.annotate(f"{r.rejected} refused, p99 {_ms(r.rejection_p99_ms)}", (i, r.completed_per_s), ha="center",
-                    va="bottom", fontsize=8)
+        ax.annotate(
+            f"{r.rejected} refused, p99 {_ms(r.rejection_p99_ms)}",
+            (i, r.completed_per_s),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -93,7 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out, [asdict(r) for r in results])
     plot(results, args.out.with_suffix(".png"))
-    print(f"\n{'rate':>9} {'sent':>5} {'done':>5} {'refused':>8} {'failed':>7} {'done/s':>7} {'refusal p50':>12} {'p99':>10}")
+    print(
+        f"\n{'rate':>9} {'sent':>5} {'done':>5} {'refused':>8} {'failed':>7} {'done/s':>7} "
+        f"{'refusal p50':>12} {'p99':>10}"
+    )
     for r in results:
         print(
             f"{r.rate:>5g} r/s {r.sent:>5} {r.completed:>5} {r.rejected:>8} {r.failed:>7} {r.completed_per_s:>7.2f} "
@@ -101,8 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         )
     saturated, overloaded = results
     ratio = overloaded.completed_per_s / saturated.completed_per_s if saturated.completed_per_s else 0.0
-    print(f"\ncompleted/s at 2x overload / at saturation: {ratio:.2f}x (target >= 0.9); "
-          f"refusal p99 {_ms(overloaded.rejection_p99_ms)} (target < 50 ms); other failures {overloaded.failed}")
+    print(
+        f"\ncompleted/s at 2x overload / at saturation: {ratio:.2f}x (target >= 0.9); "
+        f"refusal p99 {_ms(overloaded.rejection_p99_ms)} (target < 50 ms); other failures {overloaded.failed}"
+    )
     print(f"results: {args.out}, plot: {args.out.with_suffix('.png')}")
     return 0
 

@@ -85,13 +85,29 @@ class _Served:
     def __init__(self, args: argparse.Namespace, model: Path | None, port: int) -> None:
         self.target = f"127.0.0.1:{port}"
         self.label = "planner" if model else "static"
-        command = [sys.executable, "-m", "cli.main", "serve", "--prefill", str(args.prefill), "--decode", str(args.decode)]
+        command = [
+            sys.executable,
+            "-m",
+            "cli.main",
+            "serve",
+            "--prefill",
+            str(args.prefill),
+            "--decode",
+            str(args.decode),
+        ]
         command += ["--listen", self.target, "--metrics-port", "0", "--drain-timeout", "5"]
         if args.switch_roles:
             command += ["--switch-roles"]
         if model:
             command += ["--planner", "--planner-model", str(model), "--interval", str(args.interval)]
-            command += ["--cooldown", str(args.cooldown), "--ttft-slo", str(args.ttft_slo), "--itl-slo", str(args.itl_slo)]
+            command += [
+                "--cooldown",
+                str(args.cooldown),
+                "--ttft-slo",
+                str(args.ttft_slo),
+                "--itl-slo",
+                str(args.itl_slo),
+            ]
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"planner-live-{self.label}-", suffix=".log")
         print(f"starting pdserve serve ({self.label}, {args.prefill}P:{args.decode}D) ...", file=sys.stderr, flush=True)
         self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log, start_new_session=True)
@@ -160,7 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-rate", type=float, default=2.0, help="req/s of the decode-heavy half")
     parser.add_argument("--prefill-rate", type=float, default=3.0, help="req/s of the prefill-heavy half")
     parser.add_argument(
-        "--switch-roles", action=argparse.BooleanOptionalAction, default=True,
+        "--switch-roles",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="both runs serve with --switch-roles: a split change moves an engine (no restart)",
     )
     parser.add_argument("--interval", type=float, default=10.0)
@@ -174,16 +192,21 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=2))
     change = "moving an engine" if args.switch_roles else "restarting engines"
-    print(f"\n{args.prefill}P:{args.decode}D at start, a split change by {change}; "
-          f"{args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
-          f"{args.half:.0f} s prefill-heavy at {args.prefill_rate} req/s; SLO TTFT <= {args.ttft_slo} s, ITL <= {args.itl_slo} s")
+    print(
+        f"\n{args.prefill}P:{args.decode}D at start, a split change by {change}; "
+        f"{args.half:.0f} s decode-heavy at {args.decode_rate} req/s, then "
+        f"{args.half:.0f} s prefill-heavy at {args.prefill_rate} req/s; "
+        f"SLO TTFT <= {args.ttft_slo} s, ITL <= {args.itl_slo} s"
+    )
     for label, result in results.items():
         for half in ("first_half", "second_half"):
             h = result[half]
             ttft = f"{h['ttft_p90_s'] * 1e3:.0f} ms" if h["ttft_p90_s"] is not None else "-"
             itl = f"{h['itl_p90_s'] * 1e3:.0f} ms" if h["itl_p90_s"] is not None else "-"
-            print(f"  {label:>8} {half.replace('_', ' ')}: TTFT p90 {ttft}, ITL p90 {itl}, goodput "
-                  f"{h['goodput_rps']:.2f} req/s, {h['completed']} completed, {h['failed']} failed")
+            print(
+                f"  {label:>8} {half.replace('_', ' ')}: TTFT p90 {ttft}, ITL p90 {itl}, goodput "
+                f"{h['goodput_rps']:.2f} req/s, {h['completed']} completed, {h['failed']} failed"
+            )
     for line in results["planner"]["planner"]:
         print(f"  {line}")
     planned, static = results["planner"]["second_half"], results["static"]["second_half"]

@@ -216,11 +216,13 @@ def describe(model: PerformanceModel, prompt: int = 1000) -> str:
         [
             (
                 f"model: prefill {prompt} tokens {p.seconds(prompt, prompt**2) * 1e3:.0f} ms "
-                f"(fixed {p.fixed_s * 1e3:.1f} ms, {p.per_token_s * 1e6:.1f} us/token, rms error {p.rms_relative_error:.0%})"
+                f"(fixed {p.fixed_s * 1e3:.1f} ms, {p.per_token_s * 1e6:.1f} us/token, "
+                f"rms error {p.rms_relative_error:.0%})"
             ),
             (
                 f"       decode step at context {prompt}: batch 1 {d.seconds(1, prompt) * 1e3:.1f} ms, "
-                f"batch 16 {d.seconds(16, 16 * prompt) * 1e3:.1f} ms (knee {d.knee:g}, rms error {d.rms_relative_error:.0%})"
+                f"batch 16 {d.seconds(16, 16 * prompt) * 1e3:.1f} ms "
+                f"(knee {d.knee:g}, rms error {d.rms_relative_error:.0%})"
             ),
             (
                 f"       transfer of a {prompt}-token request {model.transfer_seconds(prompt) * 1e3:.1f} ms "

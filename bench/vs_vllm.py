@@ -72,7 +72,9 @@ def _import_first(tree: Path) -> dict[str, str]:
 class _System:
     """Server processes behind one or more base URLs; stopped with their whole session."""
 
-    def __init__(self, name: str, commands: list[tuple[list[str], dict[str, str], str]], cwd: Path | None = None) -> None:
+    def __init__(
+        self, name: str, commands: list[tuple[list[str], dict[str, str], str]], cwd: Path | None = None
+    ) -> None:
         """`cwd`: run from this checkout. Its path goes first on PYTHONPATH too: pdserve's
         editable install imports `vllm_engine` from the installed checkout as every interpreter
         starts (the torchvision shim's .pth), before the cwd is on the path; Ray's workers
@@ -164,7 +166,15 @@ def _bench(
     runs = []
     for i in range(clients):
         result = out_dir / f"r{rate}-{i}.json"
-        command = [sys.executable, "-m", "bench.vllm_bench_serve", "--backend", "openai", "--base-url", urls[i % len(urls)]]
+        command = [
+            sys.executable,
+            "-m",
+            "bench.vllm_bench_serve",
+            "--backend",
+            "openai",
+            "--base-url",
+            urls[i % len(urls)],
+        ]
         command += ["--endpoint", "/v1/completions", "--model", MODEL_NAME, "--tokenizer", model]
         command += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
         command += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0", "--ignore-eos"]
@@ -199,9 +209,7 @@ def judge(system: str, rate: float, records: list[dict], output_len: int, slo: S
     """Records may come from several turns (`turn` in each record): the duration is the sum
     of each turn's own span."""
     done = [r for r in records if not r["error"] and r["tokens"] == output_len]
-    good = [
-        r for r in done if r["ttft"] <= slo.ttft_s and (not r["itl"] or percentile(r["itl"], 90) <= slo.itl_s)
-    ]
+    good = [r for r in done if r["ttft"] <= slo.ttft_s and (not r["itl"] or percentile(r["itl"], 90) <= slo.itl_s)]
     turns: dict[int, list[dict]] = {}
     for r in records:
         turns.setdefault(r.get("turn", 0), []).append(r)
@@ -282,8 +290,11 @@ def main(argv: list[str] | None = None) -> int:
         "--pdserve-eager", action="store_true", help="pdserve's CPU default (eager) instead of compiled like stock vLLM"
     )
     parser.add_argument(
-        "--pdserve-engine-path", choices=["auto", "inprocess", "async"], default="auto",
-        help="pdserve's engine path (auto: in-process LLMEngine on CPU; async: vLLM's AsyncLLM, engine core in its own process)",
+        "--pdserve-engine-path",
+        choices=["auto", "inprocess", "async"],
+        default="auto",
+        help="pdserve's engine path (auto: in-process LLMEngine on CPU; "
+        "async: vLLM's AsyncLLM, engine core in its own process)",
     )
     parser.add_argument(
         "--pdserve-flags", default="", help='more `pdserve serve` flags, e.g. "--max-num-batched-tokens 2048"'
@@ -297,10 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         "without stock, ratios are against it",
     )
     parser.add_argument("--json", type=Path, help="write every rate point here")
-    parser.add_argument("--plot", type=Path, default=Path("bench/results/vs_vllm.png"), help="TPOT and goodput per rate")
+    parser.add_argument(
+        "--plot", type=Path, default=Path("bench/results/vs_vllm.png"), help="TPOT and goodput per rate"
+    )
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
     cores = sorted(os.sched_getaffinity(0))[:2]
+
     def pdserve_system(prefill: int, decode: int, tree: Path | None = None) -> _System:
         return pdserve(
             args.model, prefill, decode, args.pdserve_eager, args.pdserve_engine_path, args.pdserve_flags, tree
@@ -316,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         baseline = {"colocated": lambda: pdserve_system(0, 2, args.baseline_tree)}
         baseline["1p1d"] = lambda: pdserve_system(1, 1, args.baseline_tree)
         stock = runs[:1] if args.systems[0] == "stock" else []
-        runs = stock + [baseline[key] for key in args.systems if key in baseline] + runs[len(stock):]
+        runs = stock + [baseline[key] for key in args.systems if key in baseline] + runs[len(stock) :]
     records: dict[tuple[str, float], list[dict]] = {}
     names: list[str] = []
     turn = 0

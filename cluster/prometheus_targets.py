@@ -27,7 +27,10 @@ def targets(pools: Iterable[Pool], others: Mapping[str, tuple[str, str]] | None 
         for member in pool.members
         if member.live and member.load is not None and member.load.metrics_address
     ]
-    rest = [{"targets": [address], "labels": {"role": role, "actor": name}} for name, (role, address) in (others or {}).items()]
+    rest = [
+        {"targets": [address], "labels": {"role": role, "actor": name}}
+        for name, (role, address) in (others or {}).items()
+    ]
     return workers + rest
 
 

@@ -49,8 +49,12 @@ class DeploymentConfig:
     num_prefill: int = knob(1, flag="prefill", help="prefill engines (0: colocated serving, no transfer)")
     num_decode: int = knob(1, flag="decode", help="decode engines")
     # What each pool's engines may do differently: TP, batch limit, token budget, KV size.
-    prefill_sizing: EngineSizing = section(EngineSizing, title="prefill engines (override the shared engine flags)", prefix="prefill-")
-    decode_sizing: EngineSizing = section(EngineSizing, title="decode engines (override the shared engine flags)", prefix="decode-")
+    prefill_sizing: EngineSizing = section(
+        EngineSizing, title="prefill engines (override the shared engine flags)", prefix="prefill-"
+    )
+    decode_sizing: EngineSizing = section(
+        EngineSizing, title="decode engines (override the shared engine flags)", prefix="decode-"
+    )
     policy: RouterPolicy = knob(default_factory=RouterPolicy, hidden=True, help="in-process routing policy")
     max_restarts: int = knob(3, help="Ray restarts a crashed engine this many times (a new engine, new NIXL identity)")
     # None: no pinning.
@@ -63,7 +67,9 @@ class DeploymentConfig:
     placement_timeout_s: float = knob(600.0, help="how long an engine may wait for its placement group")
     # 0.5 puts a prefill and a decode engine on one GPU (deploy/gpu_smoke.py), whose
     # gpu_memory_utilization must then add up to less than 1.
-    gpus_per_rank: float = knob(1.0, help="GPUs each TP rank of a CUDA engine reserves (below 1: engines share GPUs, TP 1)")
+    gpus_per_rank: float = knob(
+        1.0, help="GPUs each TP rank of a CUDA engine reserves (below 1: engines share GPUs, TP 1)"
+    )
     # Routers mirroring the controller's view may learn of a drain a view period late.
     drain_quiet_s: float = knob(2.0, help="a leaving engine stays idle this long before it goes")
     # decode_worker/either_role.py; both pools then run one engine configuration.
@@ -78,7 +84,8 @@ class DeploymentConfig:
             object.__setattr__(self, "transfer", replace(self.transfer, kv_buffer_device=self.engine.device))
         if self.num_prefill < 0 or self.num_decode < 1:
             raise ValueError(
-                f"num_prefill {self.num_prefill}, num_decode {self.num_decode}: at least one decode engine, prefill 0 or more"
+                f"num_prefill {self.num_prefill}, num_decode {self.num_decode}: "
+                "at least one decode engine, prefill 0 or more"
             )
         if self.max_restarts < 0 or self.placement_timeout_s <= 0 or self.drain_quiet_s < 0:
             raise ValueError("max_restarts must be >= 0, placement_timeout_s > 0 and drain_quiet_s >= 0")
@@ -104,7 +111,9 @@ class DeploymentConfig:
 
     def summary(self) -> str:
         """The pools as start-up logs name them, e.g. '1 prefill + 2 decode engines (TP 2 / 1)'."""
-        tps = f"TP {self.role_engine('prefill').tensor_parallel_size} / {self.role_engine('decode').tensor_parallel_size}"
+        tps = (
+            f"TP {self.role_engine('prefill').tensor_parallel_size} / {self.role_engine('decode').tensor_parallel_size}"
+        )
         return f"{self.num_prefill} prefill + {self.num_decode} decode engines ({tps})"
 
     def role_engine(self, role: str) -> EngineConfig:
@@ -191,7 +200,8 @@ class Deployment:
         if tensor_parallel is not None and tensor_parallel != ours:
             raise ValueError(
                 f"the plan is for TP {tensor_parallel[0]} prefill / {tensor_parallel[1]} decode engines, "
-                f"this deployment runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` with --prefill-tp {tensor_parallel[0]} "
+                f"this deployment runs TP {ours[0]} / {ours[1]}: restart `pdserve serve` "
+                f"with --prefill-tp {tensor_parallel[0]} "
                 f"--decode-tp {tensor_parallel[1]}, or tune with the live engines' sizes"
             )
         before = len(self.prefill.members), len(self.decode.members)
@@ -234,7 +244,10 @@ class Deployment:
         """Move engines from the pool that shrinks to the pool that grows, least loaded
         first: each stops getting requests of its old role, finishes them, changes pool and
         handshakes with its new peers before it takes traffic. No engine restarts."""
-        for source, target, source_size in ((self.decode, self.prefill, num_decode), (self.prefill, self.decode, num_prefill)):
+        for source, target, source_size in (
+            (self.decode, self.prefill, num_decode),
+            (self.prefill, self.decode, num_prefill),
+        ):
             target_size = num_prefill + num_decode - source_size
             count = min(len(source.members) - source_size, target_size - len(target.members))
             if count <= 0:

@@ -38,7 +38,9 @@ class PoolHealth:
         if self.prefill.members:  # colocated serving has no prefill pool and no transfers
             decode = self.decode.live + joining_decode
             prefill = self.prefill.live
-            pairs = [(p, d) for p in joining_prefill for d in decode] + [(p, d) for p in prefill for d in joining_decode]
+            pairs = [(p, d) for p in joining_prefill for d in decode] + [
+                (p, d) for p in prefill for d in joining_decode
+            ]
             await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
         for member in joining_prefill + joining_decode:
             # Not one that a resize took out or a failed call marked dead meanwhile.

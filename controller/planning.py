@@ -37,7 +37,8 @@ FORECAST = Gauge("pdserve_planner_forecast_rate_rps", "Forecast arrival rate of 
 CORRECTION = Gauge("pdserve_planner_correction", "Factor on the model's time per phase", ["phase"])
 DECISIONS = Counter("pdserve_planner_decisions_total", "Planner decisions by action", ["action"])
 CHANGE_SECONDS = Histogram(
-    "pdserve_planner_split_change_seconds", "Time to apply a new split (start, handshake, drain)",
+    "pdserve_planner_split_change_seconds",
+    "Time to apply a new split (start, handshake, drain)",
     buckets=(1, 2, 5, 10, 20, 30, 60, 120, 300, 600),
 )
 
@@ -56,10 +57,18 @@ class PlannerSettings:
     """`pdserve serve --planner`'s flags; everything else of the planner keeps PlannerConfig's defaults."""
 
     enabled: bool = knob(False, flag="planner", help="re-plan the prefill:decode split every --interval")
-    model: str | None = knob(None, flag="planner-model", help="performance model fitted on this hardware (`pdserve tune --save-model`)")
-    gpu_budget: int | None = knob(None, help="GPUs (CPU: engine core sets) the split may use (unset: the engines started)")
-    interval_s: float = knob(default_of(PlannerConfig, "interval_s"), flag="interval", help="seconds between two decisions")
-    cooldown_s: float = knob(default_of(PlannerConfig, "cooldown_s"), flag="cooldown", help="least seconds between two split changes")
+    model: str | None = knob(
+        None, flag="planner-model", help="performance model fitted on this hardware (`pdserve tune --save-model`)"
+    )
+    gpu_budget: int | None = knob(
+        None, help="GPUs (CPU: engine core sets) the split may use (unset: the engines started)"
+    )
+    interval_s: float = knob(
+        default_of(PlannerConfig, "interval_s"), flag="interval", help="seconds between two decisions"
+    )
+    cooldown_s: float = knob(
+        default_of(PlannerConfig, "cooldown_s"), flag="cooldown", help="least seconds between two split changes"
+    )
     hysteresis: float = knob(default_of(PlannerConfig, "hysteresis"), help="least relative goodput gain worth a change")
     ttft_slo_s: float = knob(2.0, flag="ttft-slo", help="time to first token, seconds, for 90% of requests")
     itl_slo_s: float = knob(0.1, flag="itl-slo", help="a request's mean inter-token seconds, for 90% of requests")
@@ -163,7 +172,10 @@ def _export(decision: Decision) -> None:
     for which, split in (("running", decision.current), ("recommended", decision.recommended)):
         SPLIT.labels("prefill", which).set(split.prefill)
         SPLIT.labels("decode", which).set(split.decode)
-    for which, goodput in (("running", decision.current_goodput_rps), ("recommended", decision.recommended_goodput_rps)):
+    for which, goodput in (
+        ("running", decision.current_goodput_rps),
+        ("recommended", decision.recommended_goodput_rps),
+    ):
         if goodput is not None:
             GOODPUT.labels(which).set(goodput)
     for gauge, observed, predicted in (

@@ -21,8 +21,9 @@ or the front door's --max-in-flight N --max-queue N --drain-timeout S).
 The front door: --tls-dir and --tokens-file name paths on the head, relative ones in its home
 (copy the files there with the config's file_mounts, or `ray rsync-up`). --tls-dir holds
 server.pem and server.key, and client-ca.pem for mutual TLS if there; --tokens-file has
-ROLE:TOKEN lines (roles generate, admin). The router listens on 0.0.0.0:50051 when it has both TLS and tokens, else on the
-head's 127.0.0.1:50051 (reach it with `ray exec`), unless --listen says otherwise. Its
+ROLE:TOKEN lines (roles generate, admin). The router listens on 0.0.0.0:50051 when it has
+both TLS and tokens, else on the head's 127.0.0.1:50051 (reach it with `ray exec`), unless
+--listen says otherwise. Its
 metrics stay on the head's loopback (--metrics-host 127.0.0.1; a SERVE_ARGS --metrics-host
 PRIVATE_IP lets a Prometheus in the cluster's private network scrape it). --stop sends the
 router SIGTERM: it stops admitting, gives live streams --drain-timeout seconds, then stops
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds to wait for nodes and engines")
     parser.add_argument("--stop", action="store_true", help="stop pdserve serve: SIGTERM, drain (the cluster stays up)")
     parser.add_argument(
-        "--create-security-group", action="store_true",
+        "--create-security-group",
+        action="store_true",
         help="AWS, before `ray up`: create the config's security group (provider.security_group) and print its id",
     )
     parser.add_argument("--vpc-id", help="with --create-security-group: the VPC (default: the region's default VPC)")
@@ -120,7 +122,9 @@ def _submit(args: argparse.Namespace, serve_args: list[str]) -> int:
         head_args.append("--stop")
     else:
         head_args += ["--workers", str(expected_workers(config))]
-        head_args += [f"--{pool}={n}" for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None]
+        head_args += [
+            f"--{pool}={n}" for pool, n in (("prefill", args.prefill), ("decode", args.decode)) if n is not None
+        ]
         door = {"--listen": args.listen, "--tls-dir": args.tls_dir, "--tokens-file": args.tokens_file}
         head_args += [a for flag, value in door.items() if value for a in (flag, value)]
     # `ray submit` joins the script's arguments with spaces into a shell command: quote them.
@@ -202,8 +206,10 @@ def _create_security_group_cli(args: argparse.Namespace) -> int:
         rules = "; ".join(_describe(r) for r in security_group_rules(config, group_id))
         print(f"created security group {group_id}: {rules}")
     else:
-        print(f"security group {group_id} exists already; its rules are as they were (aws ec2 describe-security-groups "
-              f"--group-ids {group_id})")
+        print(
+            f"security group {group_id} exists already; its rules are as they were (aws ec2 describe-security-groups "
+            f"--group-ids {group_id})"
+        )
     print(f"put it in {args.config}: SecurityGroupIds: &security_group [{group_id}]")
     return 0
 
@@ -264,7 +270,9 @@ def _start(args: argparse.Namespace, serve_args: list[str], home: Path) -> int:
     log_start = log_path.stat().st_size if log_path.exists() else 0
     with open(log_path, "ab") as log:
         # Own session: it must outlive this SSH session (and its hang-up).
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     (home / SERVE_PID).write_text(str(proc.pid))
     if _last_value(cmd, "--tls-cert"):  # the health check would need the server's CA (and a client certificate)
         up = _wait_logged_serving(proc, log_path, log_start, deadline)
@@ -378,7 +386,10 @@ def _wait_serving(proc: subprocess.Popen, listen: str, deadline: float) -> bool:
         health = health_pb2_grpc.HealthStub(channel)
         while proc.poll() is None and time.monotonic() < deadline:
             try:
-                if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return True
             except grpc.RpcError:
                 pass  # not listening yet: the engines are still starting
@@ -419,8 +430,11 @@ def _stop(home: Path) -> int:
     while _serving_pid(home) and time.monotonic() < deadline:
         time.sleep(0.5)
     if _serving_pid(home):
-        print(f"pdserve serve (pid {pid}) has not stopped {wait_s:.0f} s after SIGTERM; "
-              f"see ~/{SERVE_LOG}, or `kill -KILL {pid}`", file=sys.stderr)
+        print(
+            f"pdserve serve (pid {pid}) has not stopped {wait_s:.0f} s after SIGTERM; "
+            f"see ~/{SERVE_LOG}, or `kill -KILL {pid}`",
+            file=sys.stderr,
+        )
         return 1
     (home / SERVE_PID).unlink(missing_ok=True)
     print(f"stopped pdserve serve (pid {pid})")

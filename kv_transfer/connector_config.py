@@ -38,7 +38,8 @@ class TransferConfig:
     # Decode heartbeats extend the lease while a pull is in progress (vLLM's lease).
     lease_s: int = knob(30, flag="lease", help="seconds prefill holds a finished request's blocks for decode to read")
     load_failure_policy: Literal["fail", "recompute"] = knob(
-        "fail", help="when decode cannot load the blocks: fail the request, or prefill locally (vLLM's kv_load_failure_policy)"
+        "fail",
+        help="when decode cannot load the blocks: fail the request, or prefill locally (vLLM's kv_load_failure_policy)",
     )
     # Without a progress thread only the engine step drives transfers, so a pull waits behind
     # the producer's running prefill; NIXL's own thread (0) spins a full core.
@@ -65,7 +66,9 @@ class TransferConfig:
         return env
 
     def __post_init__(self) -> None:
-        if self.nixl_progress_poll_us is not None and not (self.nixl_progress_poll_us == 0 or self.nixl_progress_poll_us >= 1000):
+        if self.nixl_progress_poll_us is not None and not (
+            self.nixl_progress_poll_us == 0 or self.nixl_progress_poll_us >= 1000
+        ):
             raise ValueError("nixl_progress_poll_us: None, 0 (spin) or >= 1000 (NIXL's poll timeout is whole ms)")
         if self.lease_s < 1:
             raise ValueError(f"lease_s must be >= 1, got {self.lease_s}")

@@ -16,7 +16,9 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _BYTES = tuple(float(2**p) for p in range(12, 36, 2))  # 4 KiB .. 32 GiB
 
-TRANSFER_SECONDS = Histogram("pdserve_nixl_transfer_seconds", "Duration of one NIXL READ of a request's state", buckets=_SECONDS)
+TRANSFER_SECONDS = Histogram(
+    "pdserve_nixl_transfer_seconds", "Duration of one NIXL READ of a request's state", buckets=_SECONDS
+)
 TRANSFER_BYTES = Histogram("pdserve_nixl_transfer_bytes", "Bytes moved by one NIXL READ", buckets=_BYTES)
 TRANSFER_BANDWIDTH = Histogram(
     "pdserve_nixl_transfer_bandwidth_bytes_per_second",
@@ -46,7 +48,9 @@ class TransferStatLogger(StatLoggerBase):
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         pass
 
-    def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
         data = getattr(scheduler_stats, "kv_connector_stats", None)
         if data:
             observe_connector_stats(data)

@@ -44,7 +44,9 @@ class PlannerConfig:
     instances: int  # the budget: prefill + decode engines, every split uses all of them
     slo: SLO
     interval_s: float = 60.0  # how often the controller observes and calls `step` (its clock, not ours)
-    cooldown_s: float = 180.0  # least time between two changes (one restarts engines, or drains one under --switch-roles)
+    cooldown_s: float = (
+        180.0  # least time between two changes (one restarts engines, or drains one under --switch-roles)
+    )
     hysteresis: float = 0.10  # least relative goodput gain worth a change
     rate_weight: float = 0.5  # the newest interval's weight in the forecast rate
     correction_weight: float = 0.5  # how far one interval moves a correction toward its target
@@ -284,10 +286,7 @@ class ClosedLoopPlanner:
             return "hold", f"gain {gain:+.0%} with room for the forecast rate: waiting for a second window"
         workload = previous.workload(config.search_requests, config.seed)
         before = _gain(
-            *(
-                max_goodput(model, c.split, workload, config.slo, c.split.instances).goodput_rps
-                for c in (mine, best)
-            )
+            *(max_goodput(model, c.split, workload, config.slo, c.split.instances).goodput_rps for c in (mine, best))
         )
         if before < config.hysteresis:
             return "hold", f"gain {gain:+.0%}, but {before:+.0%} on the window before: not persistent yet"

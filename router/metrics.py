@@ -22,7 +22,9 @@ _L = ["prompt_bucket"]
 QUEUE = Histogram("pdserve_queue_seconds", "Router arrival to prefill start", _L, buckets=_SECONDS)
 PREFILL = Histogram("pdserve_prefill_seconds", "Prefill engine time", _L, buckets=_SECONDS)
 PROMPT_RATE = Histogram("pdserve_prefill_tokens_per_second", "Prompt tokens per second of prefill", _L, buckets=_RATE)
-TRANSFER = Histogram("pdserve_transfer_seconds", "Prefill done to decode's first token (NIXL pull + one step)", _L, buckets=_SECONDS)
+TRANSFER = Histogram(
+    "pdserve_transfer_seconds", "Prefill done to decode's first token (NIXL pull + one step)", _L, buckets=_SECONDS
+)
 TTFT = Histogram("pdserve_ttft_seconds", "Time to first token at the router", _L, buckets=_SECONDS)
 
 
@@ -78,7 +80,9 @@ RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor
 WAITING = Gauge("pdserve_actor_waiting_requests", "Requests queued (incl. waiting for remote KV)", _A)
 HELD = Gauge("pdserve_actor_leases_held", "Finished requests whose blocks wait for a decode read", _A)
 BLOCKS_USED = Gauge(
-    "pdserve_actor_kv_blocks_used", "KV-cache blocks in use: attention blocks and DeltaNet state slots share the pool", _A
+    "pdserve_actor_kv_blocks_used",
+    "KV-cache blocks in use: attention blocks and DeltaNet state slots share the pool",
+    _A,
 )
 BLOCKS_TOTAL = Gauge("pdserve_actor_kv_blocks_total", "KV-cache blocks in the actor's pool", _A)
 ALIVE = Gauge("pdserve_actor_alive", "1 while the actor answers and takes traffic", _A)

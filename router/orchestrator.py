@@ -64,7 +64,8 @@ class RouterPolicy:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.local_prefill_below < 3:
             raise ValueError(
-                f"local_prefill_below {self.local_prefill_below}: at least 3 (a hybrid's 1-token prefill hangs vLLM's CPU engine)"
+                f"local_prefill_below {self.local_prefill_below}: at least 3 "
+                "(a hybrid's 1-token prefill hangs vLLM's CPU engine)"
             )
         for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s"):
             if getattr(self, name) <= 0:
@@ -329,7 +330,6 @@ class Orchestrator:
         task = asyncio.get_running_loop().create_task(release())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
 
 
 def _routed(request_id: str, route: RouteDecision) -> None:

@@ -98,7 +98,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             status = client_status(err)
             if status is None:
                 log.exception("request %s failed", request.request_id or "(no client id)")
-                message = f"internal error serving request {request.request_id or '(no id)'}; the router's log has details"
+                message = (
+                    f"internal error serving request {request.request_id or '(no id)'}; the router's log has details"
+                )
                 status = (grpc.StatusCode.INTERNAL, message)
             elif status[0] == grpc.StatusCode.UNAVAILABLE:
                 log.warning("request %s: %s", request.request_id, err)

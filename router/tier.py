@@ -24,7 +24,11 @@ log = logging.getLogger(__name__)
 
 class RouterTier:
     def __init__(
-        self, controller: Any, settings: RouterSettings, check_interval_s: float = 2.0, placement_timeout_s: float = 120.0
+        self,
+        controller: Any,
+        settings: RouterSettings,
+        check_interval_s: float = 2.0,
+        placement_timeout_s: float = 120.0,
     ) -> None:
         self._controller = controller
         self._settings = settings

@@ -21,7 +21,8 @@ def _vllm_runs_its_cpp_conv() -> bool:
 
 needs_cpp_conv = pytest.mark.skipif(
     not _vllm_runs_its_cpp_conv(),
-    reason="this CPU has no AVX512-BF16: vLLM decodes with its torch conv kernel, which the in-place update leaves alone",
+    reason="this CPU has no AVX512-BF16: vLLM decodes with its torch conv kernel, "
+    "which the in-place update leaves alone",
 )
 
 KERNEL_CHECK = """
@@ -114,7 +115,7 @@ def test_in_place_update_leaves_the_staged_paths_state_and_output():
     output: the kernels accumulate in a different order), for batches of 1, 3 and 8."""
     for batch, found in _run(KERNEL_CHECK).items():
         assert found["states_equal"], batch
-        assert found["max_out_diff"] <= 2 ** -6 * found["max_out"], (batch, found)
+        assert found["max_out_diff"] <= 2**-6 * found["max_out"], (batch, found)
 
 
 @needs_cpp_conv

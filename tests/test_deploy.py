@@ -57,7 +57,9 @@ def test_validation_rejects_a_broken_config():
     with pytest.raises(jsonschema.ValidationError):
         validate_config(prepare_config(config))
     config = load("aws-h100.yaml")
-    config["available_node_types"]["decode"].update(min_workers=config["max_workers"], max_workers=config["max_workers"])
+    config["available_node_types"]["decode"].update(
+        min_workers=config["max_workers"], max_workers=config["max_workers"]
+    )
     with pytest.raises(ValueError, match="min_workers"):
         validate_config(prepare_config(config))
 
@@ -107,8 +109,10 @@ def _run_start_commands(
     (bin_dir / "nvidia-smi").write_text("#!/bin/sh\n" + (gpu_lines or "exit 9\n"))
     (bin_dir / "nvidia-smi").chmod(0o755)
     env = {
-        "PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(home),
-        "SSH_CONNECTION": f"10.9.9.9 40000 {node_ip} 22", "RAY_HEAD_IP": head_ip,
+        "PATH": f"{bin_dir}:/usr/bin:/bin",
+        "HOME": str(home),
+        "SSH_CONNECTION": f"10.9.9.9 40000 {node_ip} 22",
+        "RAY_HEAD_IP": head_ip,
     }
     return [subprocess.run(["bash", "-c", c], check=False, env=env, capture_output=True, text=True) for c in commands]
 
@@ -134,7 +138,9 @@ def test_onprem_workers_join_the_pool_their_address_is_listed_in(tmp_path):
     provider = config["provider"]
     pools = set()
     for ip in provider["worker_ips"]:
-        (start,) = _ray_start(_run_start_commands(config["worker_start_ray_commands"], ip, provider["head_ip"], tmp_path))
+        (start,) = _ray_start(
+            _run_start_commands(config["worker_start_ray_commands"], ip, provider["head_ip"], tmp_path)
+        )
         assert f"--address={provider['head_ip']}:6379" in start
         assert f"--node-ip-address={ip}" in start
         slots = _resources(start)
@@ -249,7 +255,9 @@ def test_launch_gives_each_aws_engine_a_tp4_share_of_its_8_gpu_node(monkeypatch,
     dep = config.deployment
     assert (dep.num_prefill, dep.num_decode) == (2, 2), "two engines per node, one node per pool"
     assert (dep.engine.device, dep.prefill_sizing.tensor_parallel_size, dep.decode_sizing.tensor_parallel_size) == (
-        "cuda", 4, 4
+        "cuda",
+        4,
+        4,
     )
     assert dep.engine.gpu_memory_utilization == 0.9 and dep.engine.model == "/models/m"
     assert cmd[cmd.index("--max-model-len") + 1] == "32768" and cmd[-len(user) :] == user
@@ -321,8 +329,9 @@ def test_the_ray_token_goes_to_every_node_and_later_commands_use_token_auth(name
     for _ in range(2):  # setup commands run again on every `ray up`
         subprocess.run(["bash", "-c", auth_line], check=True, env=env)
     assert (tmp_path / ".bashrc").read_text().count("RAY_AUTH_MODE") == 1
-    seen = subprocess.run(["bash", "-c", "source ~/.bashrc; echo $RAY_AUTH_MODE"], env=env, capture_output=True,
-                          text=True)
+    seen = subprocess.run(
+        ["bash", "-c", "source ~/.bashrc; echo $RAY_AUTH_MODE"], env=env, capture_output=True, text=True
+    )
     assert seen.stdout.strip() == "token"
 
 
@@ -427,7 +436,11 @@ def test_launch_passes_tls_and_tokens_and_listens_beyond_the_head_only_with_both
     assert cmd[cmd.index("--tokens-file") + 1] == str(front / "tokens")
     router = config.router
     tls = router.front.tls
-    assert (tls.cert, tls.key, tls.client_ca) == (str(front / "server.pem"), str(front / "server.key"), str(front / "client-ca.pem"))
+    assert (tls.cert, tls.key, tls.client_ca) == (
+        str(front / "server.pem"),
+        str(front / "server.key"),
+        str(front / "client-ca.pem"),
+    )
     assert router.front.tokens is not None, "the tokens file was read"
     assert router.listen == "0.0.0.0:50051" and router.metrics_host == "127.0.0.1" and config.drain_timeout_s == 5
     assert waited == ["log"], "with TLS launch.py waits for the router's log line, not a plaintext health check"

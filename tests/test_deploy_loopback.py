@@ -47,8 +47,20 @@ class Sandbox:
         # unshare dies with this process (setpriv --pdeathsig) and its child, the namespaces'
         # init, dies with unshare (--kill-child): even a killed test run leaves nothing behind.
         self._holder = subprocess.Popen(
-            ["setpriv", "--pdeathsig=KILL", "unshare", "--net", "--pid", "--fork", "--mount", "--mount-proc",
-             "--propagation=private", "--kill-child", "sleep", "infinity"]
+            [
+                "setpriv",
+                "--pdeathsig=KILL",
+                "unshare",
+                "--net",
+                "--pid",
+                "--fork",
+                "--mount",
+                "--mount-proc",
+                "--propagation=private",
+                "--kill-child",
+                "sleep",
+                "infinity",
+            ]
         )
         self._background: list[subprocess.Popen] = []
         try:
@@ -92,7 +104,9 @@ class Sandbox:
     def _enter(self, cmd: str) -> list[str]:
         return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", f"--wd={REPO}", "bash", "-c", cmd]
 
-    def run(self, cmd: str, timeout: float = 60, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, cmd: str, timeout: float = 60, check: bool = False, env: dict | None = None
+    ) -> subprocess.CompletedProcess:
         result = subprocess.run(self._enter(cmd), check=False, capture_output=True, text=True, timeout=timeout, env=env)
         if check:
             assert result.returncode == 0, f"{cmd!r} failed:\n{_tail(result)}"
@@ -187,10 +201,15 @@ def drive_fake_cluster() -> None:
 
     def pool_nodes() -> dict[str, list[str]]:
         alive = [n for n in ray.nodes() if n["Alive"]]
-        return {r: sorted(n["NodeID"] for n in alive if r in n["Resources"]) for r in (PREFILL_RESOURCE, DECODE_RESOURCE)}
+        return {
+            r: sorted(n["NodeID"] for n in alive if r in n["Resources"]) for r in (PREFILL_RESOURCE, DECODE_RESOURCE)
+        }
 
     def report(step: str, **fields: object) -> None:
-        print(json.dumps({"step": step, "t": round(time.monotonic() - start, 1), "pool_nodes": pool_nodes(), **fields}), flush=True)
+        print(
+            json.dumps({"step": step, "t": round(time.monotonic() - start, 1), "pool_nodes": pool_nodes(), **fields}),
+            flush=True,
+        )
 
     start = time.monotonic()
     report("empty")
@@ -214,11 +233,14 @@ def test_engines_launch_their_node_types_and_idle_nodes_go(sandbox):
     sandbox.run(
         "ray start --head --port=6379 --autoscaling-config=/root/fake.yaml --num-cpus=1 "
         "--object-store-memory=100000000 --include-dashboard=false",
-        timeout=90, env=env, check=True,
+        timeout=90,
+        env=env,
+        check=True,
     )
     drive = sandbox.run(
         "cd tests && python -c 'from test_deploy_loopback import drive_fake_cluster; drive_fake_cluster()'",
-        timeout=300, env=env,
+        timeout=300,
+        env=env,
     )
     assert drive.returncode == 0, _tail(drive)
     steps = {s["step"]: s for s in map(json.loads, drive.stdout.splitlines())}

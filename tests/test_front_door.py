@@ -52,7 +52,10 @@ def door(ray_cluster, engine_config, model_path, certs):
         max_queue=MAX_QUEUE,
     )
     served = ServedStack(
-        Deployment(config), model_path, front=front, credentials=ClientCredentials(ca=certs["ca_cert"], token=GENERATE_TOKEN)
+        Deployment(config),
+        model_path,
+        front=front,
+        credentials=ClientCredentials(ca=certs["ca_cert"], token=GENERATE_TOKEN),
     )
     yield served
     served.close()

@@ -54,7 +54,11 @@ def test_locks_satisfy_pyproject_and_the_environment_matches_the_cpu_lock():
             requirement = Requirement(spec)
             name = requirement.name.lower().replace("_", "-")
             assert name in pins, (device, name)
-            assert requirement.specifier.contains(pins[name].split("+")[0], prereleases=True), (device, spec, pins[name])
+            assert requirement.specifier.contains(pins[name].split("+")[0], prereleases=True), (
+                device,
+                spec,
+                pins[name],
+            )
     for name, pinned in _lock("cpu").items():
         if name in ("torchaudio", "torchcodec"):  # removed after install (CUDA builds)
             continue

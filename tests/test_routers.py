@@ -124,7 +124,9 @@ def test_streams_through_both_routers_equal_the_reference(routers, reference):
     async def both():
         async def one(address, name, i):
             async with grpc.aio.insecure_channel(address) as channel:
-                request = build_request(list(PROMPTS[name]), f"two-{i}", max_tokens=len(reference[name].tokens), ignore_eos=True)
+                request = build_request(
+                    list(PROMPTS[name]), f"two-{i}", max_tokens=len(reference[name].tokens), ignore_eos=True
+                )
                 return await stream_tokens(channel, request)
 
         return await asyncio.gather(*(one(routers[i % 2][1], name, i) for i, name in enumerate(names)))
@@ -134,7 +136,9 @@ def test_streams_through_both_routers_equal_the_reference(routers, reference):
         assert tokens[: len(decisive)] == decisive and final.finish_reason == "length"
 
 
-def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_cluster, controller, routers, reference, model_path):
+def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(
+    ray_cluster, controller, routers, reference, model_path
+):
     (victim, victim_address), (survivor, survivor_address) = routers
     before = ray_cluster.get(controller.view.remote())
     survivor_tokens = 150
@@ -167,6 +171,7 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(ray_c
 
     newcomer, address = _router(controller, model_path, "router-c")  # a new router joins
     try:
+
         async def through_newcomer():
             async with grpc.aio.insecure_channel(address) as channel:
                 request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
@@ -206,7 +211,9 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
 
     counts = run(scenario())
     assert sum(counts) == 6 and max(counts) - min(counts) <= 1, counts
-    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), "cancelled streams left blocks"
+    assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), (
+        "cancelled streams left blocks"
+    )
 
 
 def test_routers_on_one_host_share_the_port(ray_cluster, controller, model_path):

@@ -47,7 +47,9 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
 
         async def through_grpc():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                return await stream_tokens(channel, build_request("Prefill and decode", "cli", max_tokens=6, ignore_eos=True))
+                return await stream_tokens(
+                    channel, build_request("Prefill and decode", "cli", max_tokens=6, ignore_eos=True)
+                )
 
         tokens, _, final = run(through_grpc())
         assert len(tokens) == 6 and final.finish_reason == "length"

@@ -130,7 +130,10 @@ def test_engine_and_its_ranks_share_one_placement_group_on_one_node(served_tp2):
         assert table["strategy"] == "STRICT_PACK" and table["state"] == "CREATED"
         bundle_nodes = set(table["bundles_to_node_id"].values())
         # A lambda travels by value (this test module is not importable inside the actor).
-        where = lambda actor: (ray.get_runtime_context().get_node_id(), ray.get_runtime_context().get_placement_group_id())  # noqa: E731
+        where = lambda actor: (  # noqa: E731
+            ray.get_runtime_context().get_node_id(),
+            ray.get_runtime_context().get_placement_group_id(),
+        )
         node_id, placement_id = ray.get(member.actor.__ray_call__.remote(where))
         assert placement_id == table["placement_group_id"]
         assert bundle_nodes == {node_id}

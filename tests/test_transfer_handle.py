@@ -39,7 +39,9 @@ def test_bytes_follow_block_ids():
 
 
 def test_handle_round_trips_and_keeps_connector_params():
-    handle = TransferHandle.from_connector_params(PARAMS, lease_s=30, transfer_bytes=LAYOUT.bytes_for(PARAMS["remote_block_ids"]))
+    handle = TransferHandle.from_connector_params(
+        PARAMS, lease_s=30, transfer_bytes=LAYOUT.bytes_for(PARAMS["remote_block_ids"])
+    )
     again = TransferHandle.from_dict(handle.to_dict())
     assert again == handle
     assert again.connector_params == PARAMS

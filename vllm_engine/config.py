@@ -66,24 +66,32 @@ class EngineConfig:
     tensor_parallel_size: int = knob(1, flag="tp", help="tensor-parallel GPUs (CPU: core sets) per engine, both pools")
     max_model_len: int = knob(8192, help="longest prompt + output an engine accepts")
     kv_cache_bytes: int | None = knob(
-        None, parse=parse_bytes, help="KV cache per rank, e.g. 4GiB (unset: 256MiB on CPU, from --gpu-memory-utilization on GPU)"
+        None,
+        parse=parse_bytes,
+        help="KV cache per rank, e.g. 4GiB (unset: 256MiB on CPU, from --gpu-memory-utilization on GPU)",
     )
     gpu_memory_utilization: float = knob(0.9, help="fraction of each GPU vLLM may use")
     max_num_seqs: int = knob(16, help="batch limit per engine (decode: concurrent streams)")
     max_num_batched_tokens: int = knob(8192, help="tokens per engine step (prefill: the prompt token budget)")
     # Unset: eager on CPU (torch.compile costs start-up there every time), compiled on GPU.
-    enforce_eager: bool | None = knob(None, help="no compiled model (unset: eager on CPU, torch.compile + CUDA graphs on GPU)")
+    enforce_eager: bool | None = knob(
+        None, help="no compiled model (unset: eager on CPU, torch.compile + CUDA graphs on GPU)"
+    )
     enable_prefix_caching: bool | None = knob(
         None, help="vLLM's automatic prefix caching (unset: off on CPU, vLLM's default on GPU)"
     )
-    engine_path: EnginePath = knob("auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU")
+    engine_path: EnginePath = knob(
+        "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"
+    )
     seed: int = knob(0, help="engine seed (vLLM's --seed)")
     # CPU only: cores each TP rank's OpenMP threads bind to, one list per rank separated by
     # "|" (vLLM's VLLM_CPU_OMP_THREADS_BIND), e.g. "0", "2-3" or "0|1" for TP 2. On GPUs
     # Ray/CUDA_VISIBLE_DEVICES choose the devices and this is ignored. Handed out per engine.
     cpu_cores: str | None = knob(None, hidden=True, help="cores per TP rank, '|'-separated")
     extra_engine_args: dict[str, Any] = knob(
-        default_factory=dict, parse=parse_json_object, help="more vLLM EngineArgs as a JSON object, e.g. '{\"swap_space\": 0}'"
+        default_factory=dict,
+        parse=parse_json_object,
+        help="more vLLM EngineArgs as a JSON object, e.g. '{\"swap_space\": 0}'",
     )
 
     def __post_init__(self) -> None:

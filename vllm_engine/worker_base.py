@@ -68,7 +68,10 @@ class EngineWorker:
         """Cheap load report; carries the engine id so a router notices a restart, and when it
         was measured so a router can add only its requests started since."""
         return replace(
-            self._engine.load(), engine_id=self.engine_id, metrics_address=self._metrics_address, measured_at=time.time()
+            self._engine.load(),
+            engine_id=self.engine_id,
+            metrics_address=self._metrics_address,
+            measured_at=time.time(),
         )
 
     def model_limits(self) -> ModelLimits:
