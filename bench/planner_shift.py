@@ -52,7 +52,10 @@ def _best_split(
 ) -> Candidate:
     workload = Workload.poisson(400, *lengths, seed=1)
     space = SearchSpace(
-        config.instances, batch_limits=(config.batch_limit,), token_budget=config.token_budget, include_colocated=False
+        config.instances * model.tensor_parallel[0],
+        batch_limits=(config.batch_limit,),
+        token_budget=config.token_budget,
+        include_colocated=False,
     )
     result = search(model, workload, config.slo, space)
     row = ", ".join(f"{c.split.label} {c.goodput_rps:.2f}" for c in result.candidates)

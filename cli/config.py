@@ -1,8 +1,10 @@
 """The configuration tree of each `pdserve` subcommand: the roots its flags are generated from.
 
 Each leaf is a field of the config it sets (engine, transfer, routers, front door, planner,
-client), with its default written there once. `python -m cli.config` prints the
-configuration reference (docs/configuration.md; tests/test_config.py keeps it current).
+client, probe, tuner), with its default written there once. The roots of `plan`, `probe` and
+`tune` live beside the code that runs them (a lower layer for `plan` and `tune`). `python -m
+cli.config` prints the configuration reference (docs/configuration.md; tests/test_config.py
+keeps it current).
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, replace
 
+from cli.probe import ProbeConfig
 from configuration.fields import knob, section
 from configuration.flags import reference
 from controller.deployment import DeploymentConfig
 from controller.planning import PlannerSettings
+from planner.cli import TUNE_FIXED, TuneConfig
 from router.actor import RouterSettings
 from router.security import ClientCredentials
+from vllm_engine.plan_cli import PLAN_IGNORES, PlanConfig
 
 # A sentence of the embedded model's corpus: the model continues it with the corpus's text.
 DEFAULT_PROMPT = "Prefill processes the prompt and creates state; decode consumes that state one token at a time."
@@ -85,14 +90,16 @@ COMMANDS: dict[str, tuple[type, frozenset[str]]] = {
     "demo": (DemoConfig, DEMO_FIXED),
     "serve": (ServeConfig, frozenset()),
     "generate": (GenerateConfig, frozenset()),
+    "plan": (PlanConfig, PLAN_IGNORES),
+    "probe": (ProbeConfig, frozenset()),
+    "tune": (TuneConfig, TUNE_FIXED),
 }
 
 INTRO = """# Configuration reference
 
 Generated from the configuration tree (`cli/config.py` and the config dataclasses it
 holds) by `python -m cli.config > docs/configuration.md`: every flag sets the field named
-beside it, and its default is written only there. `pdserve plan`, `probe` and `tune` keep
-their own flags (`pdserve plan --help`, ...). Sizes take KiB/MiB/GiB suffixes; on/off
+beside it, and its default is written only there. Sizes take KiB/MiB/GiB suffixes; on/off
 flags have a `--no-` form."""
 
 

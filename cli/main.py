@@ -1,4 +1,4 @@
-"""`pdserve` command line: demo, serve, generate."""
+"""`pdserve` command line: demo, serve, generate, plan, probe, tune."""
 
 from __future__ import annotations
 
@@ -27,18 +27,21 @@ def main(argv: list[str] | None = None) -> int:
         "demo": "local cluster (1 prefill + 1 decode), one generation streamed through gRPC",
         "serve": "start or join a Ray cluster, bring up the pools under a controller, serve gRPC from N routers",
         "generate": "stream a generation from a running server",
+        "plan": "size engines from a model's config.json (weights, KV, state, blocks)",
+        "probe": "measure prefill and decode throughput apart on this hardware",
+        "tune": "recommend (and apply) the prefill:decode split",
     }
+    # The sizing and measurement tools build their parsers from the same trees themselves, so
+    # `python -m planner.cli` and the others take the same flags: here they get the rest.
+    tools = {"plan", "probe", "tune"}
     for command, (tree, skip) in COMMANDS.items():
-        command_parser = sub.add_parser(command, help=helps[command])
+        command_parser = sub.add_parser(command, help=helps[command], add_help=command not in tools)
         if command == "demo":
             command_parser.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
         if command == "generate":
             command_parser.add_argument("prompt")
-        add_flags(command_parser, tree, skip)
-    # Measurement and sizing tools keep their own argument parsers.
-    sub.add_parser("plan", help="size engines from a model's config.json (weights, KV, state, blocks)", add_help=False)
-    sub.add_parser("probe", help="measure prefill and decode throughput apart on this hardware", add_help=False)
-    sub.add_parser("tune", help="recommend (and apply) the prefill:decode split", add_help=False)
+        if command not in tools:
+            add_flags(command_parser, tree, skip)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "plan":

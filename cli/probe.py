@@ -34,32 +34,49 @@ import grpc
 import psutil
 import ray
 
+from configuration.fields import default_of, knob
+from configuration.flags import add_flags, build
 from messages.requests import GenerateRequest, SamplingConfig
 from proto.pdserve.v1 import generate_pb2 as pb
 from router.client import build_request, stream_generate
-from controller.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig, check_tp_pairing
 from controller.local_stack import LocalStack
 from cluster.ray_cluster import join, start_local
-from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
+from vllm_engine.config import Device, EngineConfig, EngineSizing, resolve_model
 
 # Decode throughput that grows by less than this from one batch size to the next has
 # stopped scaling: the engine is compute-bound there.
 SCALING_THRESHOLD = 1.15
+STEADY_AFTER = 8  # a decode stream's first tokens are not timed: the batch's prefills land there
 
 
 @dataclass(frozen=True, slots=True)
 class ProbeConfig:
-    model: str = "embedded"
-    device: str = "cpu"
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    prompt_lengths: tuple[int, ...] = (128, 512, 1024, 2048, 4096)
-    prefill_batches: tuple[int, ...] = (1, 4)
-    decode_batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
-    decode_context: int = 256
-    decode_steps: int = 48
-    transfer_lengths: tuple[int, ...] = (256, 1024, 4096)
-    transfer_repeats: int = 2
+    address: str | None = knob(None, help="probe this Ray cluster's nodes instead of a local cluster")
+    model: str = knob(default_of(EngineConfig, "model"), help="model directory, or 'embedded'")
+    device: Device = knob(default_of(EngineConfig, "device"), help="where the engines run")
+    prefill_tp: int = knob(default_of(EngineConfig, "tensor_parallel_size"), help="TP size of the prefill engines")
+    decode_tp: int = knob(default_of(EngineConfig, "tensor_parallel_size"), help="TP size of the decode engines")
+    prompt_lengths: tuple[int, ...] = knob((128, 512, 1024, 2048, 4096), help="prefill: prompt lengths to time")
+    prefill_batches: tuple[int, ...] = knob((1, 4), help="prefill: prompts per pass")
+    decode_batches: tuple[int, ...] = knob((1, 2, 4, 8, 16, 32, 64, 128), help="decode: batch sizes (past the knee)")
+    decode_context: int = knob(256, help="decode: prompt tokens per stream")
+    decode_steps: int = knob(48, help=f"decode: tokens per stream (the first {STEADY_AFTER} are not timed)")
+    transfer_lengths: tuple[int, ...] = knob((256, 1024, 4096), help="handoff: prompt lengths sent prefill -> decode")
+    transfer_repeats: int = knob(2, help="handoff: passes over those lengths")
+    out: str = knob("bench/results/probe.json", help="where the probe JSON goes")
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_lengths", "prefill_batches", "decode_batches", "transfer_lengths"):
+            values = getattr(self, name)
+            if not values or min(values) < 1:
+                raise ValueError(f"{name} must be one or more values >= 1, got {values}")
+        for name in ("prefill_tp", "decode_tp", "decode_context", "transfer_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.decode_steps < STEADY_AFTER + 2:  # at least one timed gap
+            raise ValueError(f"decode_steps must be >= {STEADY_AFTER + 2}, got {self.decode_steps}")
+        check_tp_pairing(self.prefill_tp, self.decode_tp)
 
 
 @dataclass(slots=True)
@@ -155,7 +172,9 @@ async def probe_decode(
             )
         # Steady state: skip the first tokens, where prefills of the batch land. A stream's
         # mean gap, not each gap: chunks may carry several tokens when the client lags.
-        step = statistics.median((times[-1] - times[8]) / (len(times) - 9) for times in streams)
+        step = statistics.median(
+            (times[-1] - times[STEADY_AFTER]) / (len(times) - STEADY_AFTER - 1) for times in streams
+        )
         result.decode.append(
             {
                 "batch_size": batch,
@@ -280,23 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pdserve probe", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="embedded")
-    parser.add_argument("--address", default=None, help="probe this Ray cluster's nodes instead of a local cluster")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel size of the prefill engines")
-    parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel size of the decode engines")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/probe.json"))
-    args = parser.parse_args(argv)
-    if args.address:
-        join(args.address)
+    add_flags(parser, ProbeConfig)
+    try:
+        config = build(ProbeConfig, parser.parse_args(argv))
+    except ValueError as err:
+        parser.error(str(err))
+    if config.address:
+        join(config.address)
     elif not ray.is_initialized():
         start_local()
-    config = ProbeConfig(model=args.model, device=args.device, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     result = asyncio.run(run_probe(config))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(asdict(result), indent=2))
+    out = Path(config.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(asdict(result), indent=2))
     print(report(result))
-    print(f"probe written to {args.out}")
+    print(f"probe written to {out}")
     return 0
 
 

@@ -33,6 +33,7 @@ class Flag:
     boolean: bool = False
     many: bool = False  # a tuple: one or more values
     shown: str | None = None  # the default in words, where it depends on the host
+    required: bool = False  # no default, and not in an optional section: the command needs it
 
     @property
     def dest(self) -> str:
@@ -42,6 +43,8 @@ class Flag:
     def shown_default(self) -> str:
         if self.shown is not None:
             return self.shown
+        if self.required:
+            return "required"
         if self.default is MISSING:
             return "unset"
         if self.default is None:
@@ -67,16 +70,19 @@ def _default(f: dataclasses.Field) -> Any:
     return MISSING
 
 
-def tree_flags(cls: type, prefix: str = "", path: tuple[str, ...] = (), title: str = "") -> list[Flag]:
-    """Every flag of the tree rooted at `cls`, in field order."""
+def tree_flags(
+    cls: type, prefix: str = "", path: tuple[str, ...] = (), title: str = "", optional: bool = False
+) -> list[Flag]:
+    """Every flag of the tree rooted at `cls`, in field order; `optional`: under an optional section."""
     hints = typing.get_type_hints(cls)
     out: list[Flag] = []
     for f in dataclasses.fields(cls):
         if f.metadata.get(HIDDEN) or HELP not in f.metadata:
             continue
-        hint, _ = _optional_inner(hints[f.name])
+        hint, is_optional = _optional_inner(hints[f.name])
         if TITLE in f.metadata:
-            out += tree_flags(hint, prefix + f.metadata[PREFIX], (*path, f.name), f.metadata[TITLE])
+            here = optional or is_optional
+            out += tree_flags(hint, prefix + f.metadata[PREFIX], (*path, f.name), f.metadata[TITLE], here)
             continue
         name = prefix + (f.metadata[FLAG] or f.name.replace("_", "-"))
         flag = dict(
@@ -86,6 +92,8 @@ def tree_flags(cls: type, prefix: str = "", path: tuple[str, ...] = (), title: s
             section=title,
             default=_default(f),
             shown=f.metadata.get(SHOWN),
+            # In an optional section a field without default is needed only with the others.
+            required=_default(f) is MISSING and not optional,
         )
         parse = f.metadata[PARSE]
         if parse is not None:
@@ -113,8 +121,14 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] =
         if group is None:
             group = groups[flag.section] = parser.add_argument_group(flag.section) if flag.section else parser
         said = "unset:" in flag.help and flag.default is None  # the help already says what unset means
-        text = (flag.help if said else f"{flag.help} (default: {flag.shown_default})").replace("%", "%%")
-        kwargs: dict[str, Any] = {"dest": flag.dest, "default": argparse.SUPPRESS, "help": text}
+        default = "required" if flag.required else f"default: {flag.shown_default}"
+        text = flag.help if said else f"{flag.help} ({default})"
+        kwargs: dict[str, Any] = {
+            "dest": flag.dest,
+            "default": argparse.SUPPRESS,
+            "help": text.replace("%", "%%"),
+            "required": flag.required,
+        }
         if flag.boolean:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
@@ -157,25 +171,26 @@ def build(cls: type, namespace: argparse.Namespace, path: tuple[str, ...] = (), 
         elif _default(f) is MISSING:
             missing.append("--" + prefix + (f.metadata.get(FLAG) or f.name.replace("_", "-")))
     if missing:
-        others = f"the other --{prefix}* flags" if prefix else "these flags"
-        raise ValueError(f"{' and '.join(missing)} must be given too (with {others})")
+        others = f" too (with the other --{prefix}* flags)" if prefix else ""
+        raise ValueError(f"{' and '.join(missing)} must be given{others}")
     return cls(**kwargs)
 
 
 def reference(commands: dict[str, tuple[type, frozenset[str]]], intro: str) -> str:
-    """The configuration reference (Markdown): one table per section of each command's tree,
-    without the flag names a command leaves out."""
+    """The configuration reference (Markdown): one table per section of each command's tree
+    (in the order sections first appear, as --help groups them), without the flag names a
+    command leaves out."""
     lines = [intro, ""]
     for command, (cls, skip) in commands.items():
         lines += [f"## `pdserve {command}`", ""]
-        section = None
-        for flag in (f for f in tree_flags(cls) if f.name not in skip):
-            if flag.section != section:
-                section = flag.section
-                lines += ["", f"### {section or 'General'}", "", "| flag | field | default | what it sets |", "|---|---|---|---|"]
-            kind = "on/off" if flag.boolean else "/".join(map(str, flag.choices)) if flag.choices else ""
-            name = f"`--{flag.name}`" + (f" ({kind})" if kind else "") + (" ..." if flag.many else "")
-            help_text = flag.help.replace("|", "\\|")
-            lines.append(f"| {name} | `{'.'.join(flag.path)}` | `{flag.shown_default}` | {help_text} |")
+        flags = [f for f in tree_flags(cls) if f.name not in skip]
+        for section in dict.fromkeys(flag.section for flag in flags):
+            lines += ["", f"### {section or 'General'}", "", "| flag | field | default | what it sets |"]
+            lines.append("|---|---|---|---|")
+            for flag in (f for f in flags if f.section == section):
+                kind = "on/off" if flag.boolean else "/".join(map(str, flag.choices)) if flag.choices else ""
+                name = f"`--{flag.name}`" + (f" ({kind})" if kind else "") + (" ..." if flag.many else "")
+                help_text = flag.help.replace("|", "\\|")
+                lines.append(f"| {name} | `{'.'.join(flag.path)}` | `{flag.shown_default}` | {help_text} |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"

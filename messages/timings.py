@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from configuration.fields import knob
 from messages.transfer import TransferBytes
 
 
@@ -26,10 +27,18 @@ ItlStat = Literal["mean", "p90"]
 
 @dataclass(frozen=True, slots=True)
 class SLO:
-    ttft_s: float
-    itl_s: float  # a request's inter-token time, by `itl_stat` of its gaps
-    percentile: float = 90.0  # attainment target: this % of requests meet both
-    itl_stat: ItlStat = "mean"  # "mean" is DistServe's TPOT (the simulator's only statistic)
+    ttft_s: float = knob(flag="ttft-slo", help="time to first token, seconds")
+    itl_s: float = knob(flag="itl-slo", help="a request's inter-token time, seconds")
+    percentile: float = knob(90.0, help="attainment target: % of requests that must meet both SLOs")
+    # "mean" is DistServe's TPOT (the simulator's only statistic).
+    itl_stat: ItlStat = knob("mean", help="a request's inter-token time: the mean or the p90 of its gaps")
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_s", "itl_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
+        if not 0 < self.percentile <= 100:
+            raise ValueError(f"percentile must be in (0, 100], got {self.percentile}")
 
     @property
     def attainment_target(self) -> float:

@@ -16,102 +16,56 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import ModuleType
 
+from configuration.fields import knob, section
+from configuration.flags import add_flags, build
+from messages.timings import SLO
 from planner.model import PerformanceModel, load_probe
-from planner.search import (
-    DEFAULT_BATCH_LIMITS,
-    Candidate,
-    SearchResult,
-    SearchSpace,
-    search,
-)
-from planner.simulator import DEFAULT_TOKEN_BUDGET, SLO, Lengths, Workload
+from planner.search import Candidate, SearchResult, SearchSpace, search
+from planner.simulator import Workload, WorkloadConfig
+
+TUNE_FIXED = frozenset({"itl-stat"})  # the simulator judges a request's mean inter-token time only
+
+
+@dataclass(frozen=True, slots=True)
+class TuneConfig:
+    # Where the performance model comes from: exactly one of the three.
+    probe: str | None = knob(None, help="probe measurements (JSON) to fit")
+    model: str | None = knob(None, help="a fitted model saved by --save-model")
+    seeds_example: bool = knob(False, help="27B hybrid on 4xH100 from the seeds' figures")
+    save_model: str | None = knob(None, help="write the fitted model here (JSON)")
+    space: SearchSpace = section(SearchSpace, title="search space")
+    slo: SLO = section(SLO, title="SLO")
+    rate: float | None = knob(None, help="arrival rate the cluster must serve, req/s (says whether any split can)")
+    workload: WorkloadConfig = section(WorkloadConfig, title="workload (Poisson arrivals, or a trace)")
+    out: str = knob("bench/results/tune.json", help="JSON; PNG beside it")
+    apply: str | None = knob(
+        None, help="HOST:PORT: resize a running pdserve router's pools to the recommended split (engines drain first)"
+    )
+
+    def __post_init__(self) -> None:
+        if (self.probe is not None) + (self.model is not None) + self.seeds_example != 1:
+            raise ValueError("probe, model, seeds_example: give exactly one of --probe, --model and --seeds-example")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError(f"rate must be > 0 req/s, got {self.rate}")
+
+    def performance_model(self) -> PerformanceModel:
+        if self.seeds_example:
+            return PerformanceModel.seeds_example()
+        if self.model:
+            return PerformanceModel.load(Path(self.model))
+        return load_probe(Path(self.probe))
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pdserve tune", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--probe", type=Path, help="probe measurements (JSON) to fit")
-    source.add_argument("--model", type=Path, help="a fitted model saved by --save-model")
-    source.add_argument("--seeds-example", action="store_true", help="27B hybrid on 4xH100 from the seeds' figures")
-    parser.add_argument("--save-model", type=Path, help="write the fitted model here (JSON)")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs to place")
-    parser.add_argument(
-        "--gpus-per-instance", type=int, default=None, help="GPUs per engine instance, its TP size (default: the probe's)"
-    )
-    parser.add_argument("--ttft-slo", type=float, required=True, help="seconds")
-    parser.add_argument("--itl-slo", type=float, required=True, help="seconds, a request's mean inter-token time")
-    parser.add_argument("--percentile", type=float, default=90.0, help="%% of requests that must meet both SLOs")
-    parser.add_argument("--rate", type=float, help="arrival rate the cluster must serve, req/s (says whether any split can)")
-    load = parser.add_argument_group("workload (Poisson arrivals, or a trace)")
-    load.add_argument("--prompt-tokens", type=float, default=1000.0, help="mean prompt length")
-    load.add_argument("--output-tokens", type=float, default=50.0, help="mean output length")
-    load.add_argument("--length-spread", type=float, default=0.2, help="uniform: +-fraction; lognormal: sigma")
-    load.add_argument("--length-shape", choices=["uniform", "lognormal"], default="uniform")
-    load.add_argument("--requests", type=int, default=600, help="requests per simulation")
-    load.add_argument("--seed", type=int, default=0)
-    load.add_argument("--trace", type=Path, help="JSONL rows {arrival_s, prompt_tokens, output_tokens} (planner.trace)")
-    space = parser.add_argument_group("search space")
-    space.add_argument("--batch-limits", type=int, nargs="+", default=list(DEFAULT_BATCH_LIMITS))
-    space.add_argument("--token-budget", type=int, default=DEFAULT_TOKEN_BUDGET, help="prompt tokens per prefill batch")
-    space.add_argument("--no-colocated", action="store_true", help="leave out the colocated baseline")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tune.json"), help="JSON; PNG beside it")
-    parser.add_argument(
-        "--apply",
-        metavar="HOST:PORT",
-        help="resize a running pdserve router's pools to the recommended split (actors drain before removal)",
-    )
+    add_flags(parser, TuneConfig, TUNE_FIXED)
     return parser
-
-
-def _performance_model(args: argparse.Namespace) -> PerformanceModel:
-    if args.seeds_example:
-        return PerformanceModel.seeds_example()
-    if args.model:
-        return PerformanceModel.load(args.model)
-    return load_probe(args.probe)
-
-
-def _workload(args: argparse.Namespace) -> Workload:
-    if args.trace:
-        from planner.trace import parse_trace  # the load generator sends the same format
-
-        specs = parse_trace(args.trace.read_text().splitlines())[: args.requests]
-        return Workload.trace((s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs)
-    return Workload.poisson(
-        args.requests,
-        Lengths(args.prompt_tokens, args.length_spread, args.length_shape),
-        Lengths(args.output_tokens, args.length_spread, args.length_shape),
-        args.seed,
-    )
-
-
-def _instance_tp(args: argparse.Namespace, model: PerformanceModel) -> int:
-    """GPUs per instance: the TP size the figures were measured at (both pools alike)."""
-    prefill_tp, decode_tp = model.tensor_parallel
-    if prefill_tp != decode_tp:
-        raise ValueError(
-            f"the probe measured TP {prefill_tp} prefill and TP {decode_tp} decode engines; the tuner sizes both "
-            "pools in instances of one size: probe with equal --prefill-tp and --decode-tp"
-        )
-    if args.gpus_per_instance not in (None, prefill_tp):
-        raise ValueError(
-            f"--gpus-per-instance {args.gpus_per_instance}, but the figures are for TP {prefill_tp} engines: "
-            f"probe engines of TP {args.gpus_per_instance} first, or leave the flag out"
-        )
-    return prefill_tp
-
-
-def _space(args: argparse.Namespace, gpus_per_instance: int) -> SearchSpace:
-    instances, extra = divmod(args.gpus, gpus_per_instance)
-    if extra or instances < 1:
-        raise ValueError(f"--gpus {args.gpus} is not a positive multiple of {gpus_per_instance} GPUs per instance")
-    return SearchSpace(instances, gpus_per_instance, tuple(args.batch_limits), args.token_budget, not args.no_colocated)
 
 
 def _ms(seconds: float) -> str:
@@ -220,39 +174,38 @@ def plot(result: SearchResult, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
     try:
-        model = _performance_model(args)
-        tp = _instance_tp(args, model)
-        space = _space(args, tp)
-        workload = _workload(args)
+        config = build(TuneConfig, parser.parse_args(argv))
+        model = config.performance_model()
+        space = config.space.sized_for(model)
+        workload = config.workload.build()
     except (OSError, ValueError, KeyError) as err:
         parser.error(str(err))
-    if args.save_model:
-        model.save(args.save_model)
-    slo = SLO(args.ttft_slo, args.itl_slo, args.percentile)
-    result = search(model, workload, slo, space)
+    if config.save_model:
+        model.save(Path(config.save_model))
+    result = search(model, workload, config.slo, space)
     print(report(result, model, workload))
-    if args.rate is not None:
-        print(_rate_verdict(result, args.rate))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
+    if config.rate is not None:
+        print(_rate_verdict(result, config.rate))
+    out = Path(config.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
         json.dumps(
             {
                 "model": model.to_dict(),
-                "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-                "slo": asdict(slo),
+                "arguments": asdict(config),
+                "slo": asdict(config.slo),
                 "best": asdict(result.best),
                 "candidates": [asdict(c) for c in result.candidates],
             },
             indent=1,
         )
     )
-    png = args.out.with_suffix(".png")
+    png = out.with_suffix(".png")
     plot(result, png)
-    print(f"results: {args.out}, plot: {png}")
-    if args.apply:
-        return _apply(args.apply, result.best.split, tp)
+    print(f"results: {out}, plot: {png}")
+    if config.apply:
+        return _apply(config.apply, result.best.split, space.gpus_per_instance)
     return 0
 
 

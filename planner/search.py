@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from configuration.fields import knob
 from planner.model import PerformanceModel
 from planner.simulator import (
     DEFAULT_TOKEN_BUDGET,
@@ -36,19 +37,54 @@ MAX_DOUBLINGS = 12
 
 @dataclass(frozen=True, slots=True)
 class SearchSpace:
-    instances: int
-    gpus_per_instance: int = 1
-    batch_limits: tuple[int, ...] = DEFAULT_BATCH_LIMITS
-    token_budget: int = DEFAULT_TOKEN_BUDGET
-    include_colocated: bool = True  # the baseline: every instance does both phases
+    """Every split of a GPU budget into engine instances of one size, at each decode batch limit."""
+
+    gpus: int = knob(help="GPUs to place")
+    # A model's figures are for engines of one TP size: the search counts in those (`sized_for`).
+    gpus_per_instance: int | None = knob(
+        None, help="GPUs per engine instance, its TP size (unset: the size the figures were measured at)"
+    )
+    batch_limits: tuple[int, ...] = knob(DEFAULT_BATCH_LIMITS, help="decode batch limits to try")
+    token_budget: int = knob(DEFAULT_TOKEN_BUDGET, help="prompt tokens per prefill batch")
+    # The baseline: every instance does both phases.
+    include_colocated: bool = knob(True, flag="colocated", help="try the colocated baseline too")
 
     def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise ValueError(f"gpus must be >= 1, got {self.gpus}")
+        if not self.batch_limits or min(self.batch_limits) < 1:
+            raise ValueError(f"batch_limits must be one or more limits >= 1, got {self.batch_limits}")
+        if self.token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {self.token_budget}")
+        if self.gpus_per_instance is None:
+            return
+        if self.gpus_per_instance < 1 or self.gpus % self.gpus_per_instance:
+            raise ValueError(
+                f"gpus {self.gpus} is not a positive multiple of gpus_per_instance {self.gpus_per_instance}"
+            )
         if self.instances < 2 and not self.include_colocated:
-            raise ValueError("a disaggregated split needs at least two instances")
+            raise ValueError(f"gpus {self.gpus}: a disaggregated split needs at least two instances")
+
+    def sized_for(self, model: PerformanceModel) -> SearchSpace:
+        """This space in instances of the TP size `model`'s figures were measured at."""
+        prefill_tp, decode_tp = model.tensor_parallel
+        if prefill_tp != decode_tp:
+            raise ValueError(
+                f"the probe measured TP {prefill_tp} prefill and TP {decode_tp} decode engines; the tuner sizes both "
+                "pools in instances of one size: probe with equal --prefill-tp and --decode-tp"
+            )
+        if self.gpus_per_instance not in (None, prefill_tp):
+            raise ValueError(
+                f"gpus_per_instance {self.gpus_per_instance}, but the figures are for TP {prefill_tp} engines: "
+                f"probe engines of TP {self.gpus_per_instance} first, or leave --gpus-per-instance out"
+            )
+        return replace(self, gpus_per_instance=prefill_tp)
 
     @property
-    def gpus(self) -> int:
-        return self.instances * self.gpus_per_instance
+    def instances(self) -> int:
+        if self.gpus_per_instance is None:
+            raise ValueError("gpus_per_instance is unset: size the space for a model first (sized_for)")
+        return self.gpus // self.gpus_per_instance
 
     def splits(self) -> range:
         """Prefill instance counts; 0 is colocated."""
@@ -200,6 +236,7 @@ def _split_candidates(
 
 
 def search(model: PerformanceModel, workload: Workload, slo: SLO, space: SearchSpace) -> SearchResult:
+    space = space.sized_for(model)
     candidates = [c for prefill in space.splits() for c in _split_candidates(model, workload, slo, space, prefill)]
     return SearchResult(slo, space, tuple(candidates))
 

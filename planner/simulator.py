@@ -42,8 +42,10 @@ from typing import Literal
 
 import numpy as np
 
+from configuration.fields import knob
 from messages.timings import SLO, LatencySummary
 from planner.model import DecodeCost, PerformanceModel, PrefillCost
+from planner.trace import parse_trace
 
 DEFAULT_TOKEN_BUDGET = 8192  # vLLM's usual max_num_batched_tokens when serving on large GPUs
 DEFAULT_BATCH_LIMIT = 64
@@ -76,6 +78,9 @@ class Split:
 # --- workload --------------------------------------------------------------------------
 
 
+LengthShape = Literal["uniform", "lognormal"]
+
+
 @dataclass(frozen=True, slots=True)
 class Lengths:
     """Token counts around `mean`: `uniform` in mean x (1 +- spread), or `lognormal` with
@@ -83,7 +88,7 @@ class Lengths:
 
     mean: float
     spread: float = 0.0
-    shape: Literal["uniform", "lognormal"] = "uniform"
+    shape: LengthShape = "uniform"
 
     def __post_init__(self) -> None:
         if self.mean < 1 or self.spread < 0 or (self.shape == "uniform" and self.spread > 1):
@@ -152,6 +157,37 @@ class Workload:
         if rate <= 0:
             raise ValueError("rate must be positive")
         return self.unit_arrivals / rate
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """The requests a search simulates: Poisson arrivals with lengths around two means, or a trace."""
+
+    prompt_tokens: float = knob(1000.0, help="mean prompt length")
+    output_tokens: float = knob(50.0, help="mean output length")
+    length_spread: float = knob(0.2, help="uniform: +-fraction; lognormal: sigma")
+    length_shape: LengthShape = knob("uniform", help="how lengths spread around their means")
+    requests: int = knob(600, help="requests per simulation (of a trace: its first ones)")
+    seed: int = knob(0, help="of the Poisson arrivals and lengths")
+    trace: str | None = knob(None, help="JSONL rows {arrival_s, prompt_tokens, output_tokens} (planner.trace)")
+
+    def __post_init__(self) -> None:
+        for name in ("prompt_tokens", "output_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.length_spread < 0 or (self.length_shape == "uniform" and self.length_spread > 1):
+            raise ValueError(f"length_spread must be >= 0 (uniform: <= 1), got {self.length_spread}")
+        if self.requests < 1:
+            raise ValueError(f"requests must be >= 1, got {self.requests}")
+
+    def build(self) -> Workload:
+        if self.trace:
+            with open(self.trace) as rows:
+                specs = parse_trace(rows)[: self.requests]
+            return Workload.trace((s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs)
+        prompt = Lengths(self.prompt_tokens, self.length_spread, self.length_shape)
+        output = Lengths(self.output_tokens, self.length_spread, self.length_shape)
+        return Workload.poisson(self.requests, prompt, output, self.seed)
 
 
 # --- results ---------------------------------------------------------------------------

@@ -139,7 +139,7 @@ def test_config_validates_itself() -> None:
 @pytest.mark.parametrize("lengths", [SHORT_LONG, LONG_SHORT])
 def test_best_of_agrees_with_the_full_search(lengths: tuple[Lengths, Lengths]) -> None:
     workload = Workload.poisson(100, *lengths, seed=3)
-    full = search(MODEL, workload, TARGET, SearchSpace(6, batch_limits=(64,), include_colocated=False))
+    full = search(MODEL, workload, TARGET, SearchSpace(6 * 4, batch_limits=(64,), include_colocated=False))
     splits = [c.split for c in full.candidates]
     mine, best = best_of(MODEL, workload, TARGET, splits, incumbent=splits[2])
     assert best.split == full.best.split and best.goodput_rps == full.best.goodput_rps

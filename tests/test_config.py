@@ -9,8 +9,13 @@ import pytest
 
 from cli.config import COMMANDS, ServeConfig, configuration_reference
 from cli.main import main
+from cli.probe import ProbeConfig
 from configuration.fields import HELP, TITLE
 from configuration.flags import add_flags, build, tree_flags
+from messages.timings import SLO
+from planner.search import SearchSpace
+from planner.simulator import WorkloadConfig
+from vllm_engine.plan_cli import PLAN_IGNORES, PlanConfig
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
 
@@ -122,3 +127,113 @@ def test_a_value_of_the_wrong_type_is_an_argparse_error_naming_the_flag(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--kv-cache-bytes", "lots"])
     assert "--kv-cache-bytes" in capsys.readouterr().err
+
+
+# --- plan, probe, tune: the same tree machinery, each tool's own root -------------------
+
+TUNE_NEEDS = ("--seeds-example", "--gpus", "8", "--ttft-slo", "2", "--itl-slo", "0.1")
+
+
+def parse_as(command: str, *flags: str):
+    """The config `pdserve <command>` builds from these flags (with that command's skips)."""
+    tree, skip = COMMANDS[command]
+    parser = argparse.ArgumentParser()
+    add_flags(parser, tree, skip)
+    return build(tree, parser.parse_args(list(flags)))
+
+
+def test_plan_flags_reach_the_engines_they_size():
+    config = parse_as(
+        "plan", "--config", "c.json", "--device", "cuda", "--prefill-tp", "4", "--decode-tp", "2",
+        "--decode-max-num-seqs", "128", "--max-model-len", "32768", "--gpu-memory-gib", "141", "--context", "4096",
+    )  # fmt: skip
+    prefill, decode = config.role_engine("prefill"), config.role_engine("decode")
+    assert config.config == "c.json" and prefill.device == decode.device == "cuda"
+    assert (prefill.tensor_parallel_size, decode.tensor_parallel_size) == (4, 2)
+    assert (prefill.max_num_seqs, decode.max_num_seqs) == (16, 128) and decode.max_model_len == 32768
+    assert (config.gpu_memory_gib, config.context, config.prompt_tokens) == (141.0, 4096, 2000)
+    assert parse_as("plan") == PlanConfig(), "no flag given keeps every dataclass default"
+
+
+def test_plan_leaves_out_the_engine_flags_a_plan_ignores():
+    with pytest.raises(SystemExit):
+        parse_as("plan", "--seed", "1")
+    assert {"seed", "max-num-batched-tokens"} <= PLAN_IGNORES
+
+
+def test_probe_flags_reach_the_fields_they_name():
+    config = parse_as(
+        "probe", "--address", "head:6379", "--device", "cuda", "--prefill-tp", "2", "--decode-tp", "4",
+        "--prompt-lengths", "64", "512", "--decode-batches", "1", "8", "--decode-steps", "24", "--out", "p.json",
+    )  # fmt: skip
+    assert (config.address, config.device, config.prefill_tp, config.decode_tp) == ("head:6379", "cuda", 2, 4)
+    assert config.prompt_lengths == (64, 512) and config.decode_batches == (1, 8) and config.decode_steps == 24
+    assert config.out == "p.json" and config.transfer_repeats == ProbeConfig().transfer_repeats
+    assert parse_as("probe") == ProbeConfig()
+
+
+def test_tune_flags_reach_the_space_slo_and_workload():
+    config = parse_as(
+        "tune", *TUNE_NEEDS, "--gpus-per-instance", "4", "--percentile", "99", "--batch-limits", "32", "64",
+        "--no-colocated", "--length-shape", "lognormal", "--requests", "50", "--trace", "t.jsonl", "--apply", "h:1",
+    )  # fmt: skip
+    assert config.seeds_example and config.probe is None and config.apply == "h:1"
+    assert config.space == SearchSpace(8, 4, (32, 64), include_colocated=False)
+    assert config.slo == SLO(2.0, 0.1, 99.0)
+    workload = config.workload
+    assert (workload.length_shape, workload.requests, workload.trace) == ("lognormal", 50, "t.jsonl")
+    assert parse_as("tune", *TUNE_NEEDS).workload == WorkloadConfig()
+    with pytest.raises(SystemExit):  # the simulator judges mean inter-token times only
+        parse_as("tune", *TUNE_NEEDS, "--itl-stat", "p90")
+
+
+@pytest.mark.parametrize(
+    "command, flags, named",
+    [
+        ("plan", ["--gpu-memory-gib", "0"], "gpu_memory_gib"),
+        ("plan", ["--config", "c.json", "--model", "/models/m"], "config"),
+        ("plan", ["--context", "0"], "context"),
+        ("plan", ["--decode-max-num-seqs", "0"], "max_num_seqs"),
+        ("probe", ["--decode-steps", "9"], "decode_steps"),
+        ("probe", ["--prompt-lengths", "0", "64"], "prompt_lengths"),
+        ("probe", ["--transfer-repeats", "0"], "transfer_repeats"),
+        ("probe", ["--prefill-tp", "2", "--decode-tp", "3"], "prefill TP 2 cannot hand off to decode TP 3"),
+        ("tune", [*TUNE_NEEDS, "--probe", "p.json"], "probe, model, seeds_example"),
+        ("tune", [*TUNE_NEEDS, "--gpus-per-instance", "3"], "gpus_per_instance"),
+        ("tune", [*TUNE_NEEDS, "--batch-limits", "0"], "batch_limits"),
+        ("tune", [*TUNE_NEEDS, "--percentile", "120"], "percentile"),
+        ("tune", [*TUNE_NEEDS, "--ttft-slo", "0"], "ttft_s"),
+        ("tune", [*TUNE_NEEDS, "--length-spread", "2"], "length_spread"),
+        ("tune", [*TUNE_NEEDS, "--requests", "0"], "requests"),
+        ("tune", [*TUNE_NEEDS, "--rate", "-1"], "rate"),
+    ],
+)
+def test_a_bad_plan_probe_or_tune_value_is_refused_naming_its_field(command, flags, named):
+    with pytest.raises(ValueError, match=named):
+        parse_as(command, *flags)
+
+
+def test_plan_refuses_a_bad_value_with_exit_2(capsys):
+    assert main(["plan", "--gpu-memory-gib", "0"]) == 2
+    assert "gpu_memory_gib must be > 0" in capsys.readouterr().err
+
+
+def test_tune_says_which_required_flags_are_missing(capsys):
+    with pytest.raises(SystemExit):
+        main(["tune", "--seeds-example", "--ttft-slo", "2"])
+    err = capsys.readouterr().err
+    assert "--gpus" in err and "--itl-slo" in err
+
+
+def test_tune_refuses_an_instance_size_the_figures_are_not_for(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        main(["tune", *TUNE_NEEDS, "--gpus-per-instance", "2", "--out", str(tmp_path / "t.json")])
+    assert "gpus_per_instance 2, but the figures are for TP 4 engines" in capsys.readouterr().err
+
+
+def test_required_flags_are_marked_in_help_and_docs():
+    flags = {flag.name: flag for flag in tree_flags(COMMANDS["tune"][0])}
+    assert flags["gpus"].required and flags["ttft-slo"].shown_default == "required"
+    assert not flags["gpus-per-instance"].required
+    serve = {flag.name: flag for flag in tree_flags(ServeConfig)}
+    assert not serve["tls-cert"].required, "needed only with the other --tls-* flags"

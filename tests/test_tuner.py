@@ -282,7 +282,7 @@ def test_search_finds_the_brute_force_optimum(
     name: str, prompt: int, output: int, slo: SLO, expected_prefill: int
 ) -> None:
     workload = Workload.poisson(300, Lengths(prompt, 0.2), Lengths(output, 0.2), seed=0)
-    space = SearchSpace(instances=6, batch_limits=(64,), include_colocated=False)
+    space = SearchSpace(gpus=24, batch_limits=(64,), include_colocated=False).sized_for(SEEDS)  # 6 instances
     result = search(SEEDS, workload, slo, space)
     top = max(c.goodput_rps for c in result.candidates)
     brute_prefill, brute_rate = _brute_force_best_split(workload, slo, space, np.linspace(0.1, 1.2, 45) * top)
@@ -300,7 +300,7 @@ def test_goodput_is_zero_when_the_slo_is_unreachable() -> None:
 
 def test_larger_batch_limits_reuse_an_unfilled_smaller_one() -> None:
     workload = Workload.poisson(100, Lengths(2000), Lengths(20), seed=0)
-    space = SearchSpace(instances=3, batch_limits=(16, 256))
+    space = SearchSpace(gpus=12, batch_limits=(16, 256))  # 3 instances of the seeds' 4 GPUs
     result = search(SEEDS, workload, SLO(2.0, 0.1), space)
     by_split = {}
     for candidate in result.candidates:

@@ -5,62 +5,92 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from configuration.parsers import parse_bytes
-from vllm_engine.config import CPU_DEFAULT_KV_CACHE_BYTES, EMBEDDED_MODEL, EngineConfig, resolve_model
-from vllm_engine.sizing import GiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine, render_plan
+from configuration.fields import default_of, knob, section
+from configuration.flags import add_flags, build
+from vllm_engine.config import EMBEDDED_MODEL, EngineConfig, EngineSizing, resolve_model
+from vllm_engine.sizing import GiB, ModelShape, SizingError, SizingInputs, plan_for, render_plan
+
+# Engine flags that change nothing a plan counts (the batch token budget, compilation, ...).
+PLAN_IGNORES = frozenset(
+    {
+        "max-num-batched-tokens",
+        "prefill-max-num-batched-tokens",
+        "decode-max-num-batched-tokens",
+        "enforce-eager",
+        "enable-prefix-caching",
+        "engine-path",
+        "seed",
+        "extra-engine-args",
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PlanConfig:
+    config: str | None = knob(None, help="a config.json file instead of a model directory (--model)")
+    # The engines as `pdserve serve` takes them: the same flags plan what serve would start.
+    engine: EngineConfig = section(EngineConfig, title="engines, both pools")
+    prefill_sizing: EngineSizing = section(
+        EngineSizing, title="prefill engines (override the shared flags)", prefix="prefill-"
+    )
+    decode_sizing: EngineSizing = section(
+        EngineSizing, title="decode engines (override the shared flags)", prefix="decode-"
+    )
+    gpu_memory_gib: float = knob(
+        default_of(SizingInputs, "gpu_memory_bytes") / GiB, help="memory of one GPU, GiB (80: an H100)"
+    )
+    prompt_tokens: int = knob(
+        default_of(SizingInputs, "prompt_tokens"), help="prompt length for bytes moved per request"
+    )
+    context: int | None = knob(
+        default_of(SizingInputs, "context"), help="tokens per request, for concurrency (unset: --max-model-len)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.config is not None and self.engine.model != EMBEDDED_MODEL:
+            raise ValueError("config: give a model directory (--model) or its config.json (--config), not both")
+        if self.gpu_memory_gib <= 0:
+            raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
+        if self.prompt_tokens < 1:
+            raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if self.context is not None and self.context < 1:
+            raise ValueError(f"context must be >= 1, got {self.context}")
+
+    def shape(self) -> ModelShape:
+        if not self.config:
+            return ModelShape.from_model_dir(resolve_model(self.engine.model))
+        try:
+            return ModelShape.from_config(json.loads(Path(self.config).read_text()))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{self.config} is not JSON ({e}): pass a model's config.json") from None
+
+    def role_engine(self, role: str) -> EngineConfig:
+        return self.engine.sized(self.prefill_sizing if role == "prefill" else self.decode_sizing)
+
 
 def main(argv: list[str] | None = None) -> int:
-    defaults = EngineConfig()
     parser = argparse.ArgumentParser(
         prog="pdserve plan",
         description="Weights, KV cache, DeltaNet state, blocks and concurrency per engine, from config.json alone.",
     )
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=EMBEDDED_MODEL, help="model directory with config.json (default: embedded)")
-    source.add_argument("--config", default=None, help="a config.json file instead of a model directory")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--prefill-tp", type=int, default=1, help="tensor parallel size of a prefill engine")
-    parser.add_argument("--decode-tp", type=int, default=1, help="tensor parallel size of a decode engine")
-    parser.add_argument("--max-model-len", type=int, default=defaults.max_model_len)
-    parser.add_argument(
-        "--kv-cache-bytes",
-        type=parse_bytes,
-        default=None,
-        help=f"KV cache per rank, e.g. 4GiB (default: {CPU_DEFAULT_KV_CACHE_BYTES // MiB} MiB on cpu, "
-        "from GPU memory on cuda, as pdserve's engines)",
-    )
-    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of one GPU (default: 80, an H100)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--prompt-tokens", type=int, default=2000, help="prompt length for bytes moved per request")
-    parser.add_argument("--context", type=int, default=None, help="tokens per request, for concurrency")
-    args = parser.parse_args(argv)
-
-    kv_cache_bytes = args.kv_cache_bytes
-    if kv_cache_bytes is None:
-        kv_cache_bytes = EngineConfig(device=args.device).kv_cache_memory_bytes
+    add_flags(parser, PlanConfig, PLAN_IGNORES)
     try:
-        shape = _load_shape(args)
+        config = build(PlanConfig, parser.parse_args(argv))
+        shape = config.shape()
         plans = {
-            role: plan_engine(
+            role: plan_for(
+                config.role_engine(role),
                 shape,
-                SizingInputs(
-                    device=args.device,
-                    tensor_parallel_size=tp,
-                    max_model_len=args.max_model_len,
-                    max_num_seqs=args.max_num_seqs,
-                    kv_cache_bytes=kv_cache_bytes,
-                    gpu_memory_bytes=int(args.gpu_memory_gib * GiB),
-                    gpu_memory_utilization=args.gpu_memory_utilization,
-                    context=args.context,
-                    prompt_tokens=args.prompt_tokens,
-                ),
+                gpu_memory_bytes=int(config.gpu_memory_gib * GiB),
+                context=config.context,
+                prompt_tokens=config.prompt_tokens,
             )
-            for role, tp in (("prefill", args.prefill_tp), ("decode", args.decode_tp))
+            for role in ("prefill", "decode")
         }
-    except (OSError, ValueError) as e:  # unreadable config, TP that splits no heads, no GPU memory left
+    except (OSError, ValueError) as e:  # a bad value, unreadable config, TP that splits no heads, no GPU memory left
         print(f"pdserve plan: {e}", file=sys.stderr)
         return 2
     print("\n\n".join(render_plan(plan, f"{role} engine") for role, plan in plans.items()))
@@ -71,15 +101,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pdserve plan: {role} engine: {e}", file=sys.stderr)
             return 2
     return 0
-
-
-def _load_shape(args: argparse.Namespace) -> ModelShape:
-    if not args.config:
-        return ModelShape.from_model_dir(resolve_model(args.model))
-    try:
-        return ModelShape.from_config(json.loads(Path(args.config).read_text()))
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{args.config} is not JSON ({e}): pass a model's config.json") from None
 
 
 if __name__ == "__main__":

@@ -467,8 +467,9 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
     return "\n".join([header, *(f"  {label:<{width}}  {value}" for label, value in rows)])
 
 
-def plan_for(config: "EngineConfig", shape: ModelShape, gpu_memory_bytes: int = 80 * GiB) -> EnginePlan:
-    """The plan of an engine pdserve is about to start with this configuration."""
+def plan_for(config: "EngineConfig", shape: ModelShape, **inputs: Any) -> EnginePlan:
+    """The plan of an engine pdserve is about to start with this configuration; `inputs` are
+    the SizingInputs an engine configuration does not hold (GPU memory, request lengths)."""
     return plan_engine(
         shape,
         SizingInputs(
@@ -477,8 +478,8 @@ def plan_for(config: "EngineConfig", shape: ModelShape, gpu_memory_bytes: int = 
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
             kv_cache_bytes=config.kv_cache_memory_bytes,
-            gpu_memory_bytes=gpu_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             dtype=config.dtype,
+            **inputs,
         ),
     )
