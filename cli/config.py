@@ -42,9 +42,12 @@ class ServeConfig:
     router: RouterSettings = section(RouterSettings, title="routers")
     drain_timeout_s: float = knob(30.0, flag="drain-timeout", help="seconds live streams get to finish on SIGTERM")
     allow_unauthenticated: bool = knob(
-        False, help="serve gRPC or HTTP on a non-loopback address without --tokens-file (anyone who reaches it may generate)"
+        False,
+        help="serve gRPC or HTTP on a non-loopback address without --tokens-file (anyone who reaches it may generate)",
     )
-    planner: PlannerSettings = section(PlannerSettings, title="closed-loop planner (changes the split as the traffic shifts)")
+    planner: PlannerSettings = section(
+        PlannerSettings, title="closed-loop planner (changes the split as the traffic shifts)"
+    )
 
     def __post_init__(self) -> None:
         if self.routers < 1:

@@ -118,7 +118,9 @@ async def _serve(config: "ServeConfig") -> int:
     check_sizing(deployment)
     _join_or_start(ray_cluster, config.address)
     planner = config.planner.setup(
-        deployment.role_engine("prefill"), deployment.role_engine("decode"), deployment.num_prefill + deployment.num_decode
+        deployment.role_engine("prefill"),
+        deployment.role_engine("decode"),
+        deployment.num_prefill + deployment.num_decode,
     )
     controller, created = controller_for(deployment, CONTROLLER_NAME, front.prometheus_sd_file, planner)
     if created:
@@ -140,7 +142,10 @@ async def _serve(config: "ServeConfig") -> int:
     first = routers[0]
     shared = f" ({len(routers)} routers)" if len(routers) > 1 else ""
     if front.tokens is None and config.allow_unauthenticated:
-        print("warning: --allow-unauthenticated: anyone who reaches the front door may generate and resize", file=sys.stderr)
+        print(
+            "warning: --allow-unauthenticated: anyone who reaches the front door may generate and resize",
+            file=sys.stderr,
+        )
     print(f"serving pdserve.v1.Generation on {first.grpc}{shared}", file=sys.stderr)
     if first.http:
         print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{first.http}/v1{shared}", file=sys.stderr)
@@ -230,7 +235,10 @@ def _print_final(final) -> None:  # noqa: ANN001
     t = final.timings
     moved = t.attention_kv_bytes + t.deltanet_state_bytes
     rows = [
-        ("prompt / completion tokens", f"{final.usage.prompt_tokens} / {final.usage.completion_tokens} ({final.finish_reason})"),
+        (
+            "prompt / completion tokens",
+            f"{final.usage.prompt_tokens} / {final.usage.completion_tokens} ({final.finish_reason})",
+        ),
         ("queue (routing + Ray hop)", f"{t.queue_s * 1e3:.1f} ms"),
         ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {final.prefill_worker}"),
         ("time to first token (router)", f"{t.ttft_s * 1e3:.1f} ms"),
@@ -240,7 +248,10 @@ def _print_final(final) -> None:  # noqa: ANN001
             f"{t.decode_tokens_per_s:.1f} tok/s, inter-token p50 {t.inter_token.p50_s * 1e3:.1f} ms, "
             f"p99 {t.inter_token.p99_s * 1e3:.1f} ms",
         ),
-        ("bytes moved", f"{moved:,} = attention KV {t.attention_kv_bytes:,} + DeltaNet state {t.deltanet_state_bytes:,}"),
+        (
+            "bytes moved",
+            f"{moved:,} = attention KV {t.attention_kv_bytes:,} + DeltaNet state {t.deltanet_state_bytes:,}",
+        ),
     ]
     width = max(len(name) for name, _ in rows)
     for name, value in rows:

@@ -207,7 +207,9 @@ def max_goodput(model: PerformanceModel, split: Split, workload: Workload, slo: 
 
     low, high = 0.0, float(capacity_estimate(model, split, workload))
     if attains(capacity.rate_rps):  # meets the SLO right up to capacity: that is the goodput
-        return Candidate(split, capacity.rate_rps, capacity.rate_rps / gpus, passing, peak_batch >= split.batch_limit, capacity)
+        return Candidate(
+            split, capacity.rate_rps, capacity.rate_rps / gpus, passing, peak_batch >= split.batch_limit, capacity
+        )
     high = min(high, capacity.rate_rps)
     for _ in range(MAX_DOUBLINGS):
         if not attains(high):

@@ -106,7 +106,9 @@ def test_a_bad_value_is_refused_naming_its_field(flags, named):
         parse(*flags)
 
 
-@pytest.mark.parametrize("flags", [["--listen", "0.0.0.0:50051"], ["--http", "198.18.0.1:8000"], ["--listen", "myhost:1"]])
+@pytest.mark.parametrize(
+    "flags", [["--listen", "0.0.0.0:50051"], ["--http", "198.18.0.1:8000"], ["--listen", "myhost:1"]]
+)
 def test_a_front_door_beyond_loopback_needs_tokens_or_an_explicit_yes(flags, monkeypatch, tmp_path):
     monkeypatch.delenv("PDSERVE_TOKENS", raising=False)
     with pytest.raises(ValueError, match="not loopback and no tokens"):
