@@ -31,6 +31,7 @@ from kv_transfer.connector_config import TransferConfig
 from messages.errors import HandleExpiredError, InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
 from vllm_engine.cpu_affinity import python_thread_ids
+from vllm_engine.sizing import DTYPE_BYTES, ssm_state_dtype
 
 LEASE_S = 6
 
@@ -189,11 +190,14 @@ def test_byte_accounting_matches_the_model(deployment, model_path):
     n_gdn = layer_types.count("linear_attention")
     # Attention: K and V per layer per token, bf16.
     attn_per_token = n_attn * 2 * config["num_key_value_heads"] * config["head_dim"] * 2
-    # Gated DeltaNet: conv state (kernel-1) x conv channels in bf16 + fp32 temporal state.
+    # Gated DeltaNet: conv state (kernel-1) x conv channels in bf16 + the temporal state, in the
+    # dtype vLLM keeps it in on this CPU (float32 with AVX512-BF16, else bf16).
+    state_bytes = DTYPE_BYTES[ssm_state_dtype("cpu", "bfloat16")]
     key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
     value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
     conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * 2
-    temporal = config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"] * 4
+    heads = config["linear_num_value_heads"]
+    temporal = heads * config["linear_key_head_dim"] * config["linear_value_head_dim"] * state_bytes
     layout = ray_get(prefill.state_layout.remote())
     block = next(g.block_size for g in layout.groups if g.block_size)
 

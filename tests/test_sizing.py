@@ -59,14 +59,32 @@ def test_qwen35_27b_weights_estimate():
     assert abs(weights - 54e9) < 0.15 * 54e9
 
 
-def test_embedded_model_matches_the_engine(model_path):
-    # Figures measured on the real vLLM CPU engine (tests/test_disaggregated.py, README demo).
-    plan = plan_engine(ModelShape.from_model_dir(model_path), SizingInputs(kv_cache_bytes=256 * MiB, prompt_tokens=25))
+@pytest.mark.parametrize(
+    "ssm_dtype, state_bytes, block_size, attention_bytes",
+    [("float32", 411_648, 256, 262_144), ("bfloat16", 215_040, 128, 131_072)],
+)
+def test_embedded_model_matches_the_engine(model_path, ssm_dtype, state_bytes, block_size, attention_bytes):
+    """Figures a real vLLM CPU engine reported (tests/test_disaggregated.py checks them live):
+    float32 state on an AVX512-BF16 CPU, bf16 state on one without; vLLM pads the state page to
+    whole attention blocks, so the block size follows the state's dtype."""
+    inputs = SizingInputs(kv_cache_bytes=256 * MiB, prompt_tokens=25, mamba_ssm_dtype=ssm_dtype)
+    plan = plan_engine(ModelShape.from_model_dir(model_path), inputs)
     assert plan.kv_bytes_per_token == 1024
-    assert plan.temporal_bytes_per_request + plan.conv_bytes_per_request == 411_648
-    assert plan.block_size == 256
-    assert (plan.bytes_moved_attention, plan.bytes_moved_state) == (262_144, 411_648)
+    assert plan.temporal_bytes_per_request + plan.conv_bytes_per_request == state_bytes
+    assert plan.block_size == block_size
+    assert (plan.bytes_moved_attention, plan.bytes_moved_state) == (attention_bytes, state_bytes)
     plan.check()
+
+
+def test_the_state_dtype_follows_vllms_platform_rule(monkeypatch):
+    import vllm_engine.sizing as sizing
+
+    assert sizing.ssm_state_dtype("cuda", "bfloat16") == "float32"
+    monkeypatch.setattr(sizing, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert SizingInputs(device="cpu").mamba_ssm_dtype == "float32"
+    monkeypatch.setattr(sizing, "_cpu_flags", lambda: {"avx2", "fma"})
+    assert SizingInputs(device="cpu").mamba_ssm_dtype == "bfloat16"
+    assert SizingInputs(device="cpu", mamba_ssm_dtype="float32").mamba_ssm_dtype == "float32", "an explicit one wins"
 
 
 def test_plain_attention_and_interval_layouts():

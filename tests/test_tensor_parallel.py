@@ -22,6 +22,7 @@ from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_aft
 from router.client import build_request
 from controller.deployment import Deployment, DeploymentConfig
 from vllm_engine.config import EngineSizing
+from vllm_engine.sizing import DTYPE_BYTES, ssm_state_dtype
 
 TP2 = EngineSizing(tensor_parallel_size=2)
 
@@ -93,7 +94,9 @@ def test_tp2_byte_accounting_covers_every_rank(served_tp2, model_path):
     key_dim = config["linear_num_key_heads"] * config["linear_key_head_dim"]
     value_dim = config["linear_num_value_heads"] * config["linear_value_head_dim"]
     conv = (config["linear_conv_kernel_dim"] - 1) * (2 * key_dim + value_dim) * 2
-    temporal = config["linear_num_value_heads"] * config["linear_key_head_dim"] * config["linear_value_head_dim"] * 4
+    state_bytes = DTYPE_BYTES[ssm_state_dtype("cpu", "bfloat16")]  # as vLLM keeps it on this CPU
+    heads = config["linear_num_value_heads"]
+    temporal = heads * config["linear_key_head_dim"] * config["linear_value_head_dim"] * state_bytes
     layout = ray.get(prefill.state_layout.remote())
     assert layout.tensor_parallel_size == 2
     block = next(g.block_size for g in layout.groups if g.block_size)

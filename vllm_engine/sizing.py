@@ -185,6 +185,28 @@ def _layer_types(n_layers: int, interval: int | None) -> list[str]:
     return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
 
 
+def ssm_state_dtype(device: str, dtype: str) -> str:
+    """The dtype vLLM 0.32 stores the recurrent state in: float32 on GPUs (Qwen3.5's configs
+    ask for it) and where vLLM's CPU platform runs its accelerated GDN kernels (AVX512-BF16,
+    platforms/cpu.py resets the cache dtype to float32); elsewhere on CPU the cache dtype stays
+    'auto', which follows the model's dtype."""
+    if device != "cpu" or "avx512_bf16" in _cpu_flags():
+        return "float32"
+    return dtype
+
+
+def _cpu_flags() -> set[str]:
+    """This host's CPU feature flags, from /proc/cpuinfo (no torch import: `pdserve plan` stays light)."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 @dataclass(frozen=True, slots=True)
 class SizingInputs:
     """One engine's settings, as passed to vLLM (all memory figures are per GPU / rank)."""
@@ -200,10 +222,14 @@ class SizingInputs:
     gpu_memory_utilization: float = 0.9
     block_size: int | None = None  # None: vLLM's default for the device
     dtype: str = "bfloat16"  # weights, KV cache and DeltaNet conv state
-    # DeltaNet recurrent state: vLLM's CPU backend forces float32; Qwen3.5 configs ask for it.
-    mamba_ssm_dtype: str = "float32"
+    # DeltaNet recurrent state. None: as vLLM stores it (ssm_state_dtype).
+    mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
     prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
+
+    def __post_init__(self) -> None:
+        if self.mamba_ssm_dtype is None:  # resolved once, so every figure and label uses the same
+            object.__setattr__(self, "mamba_ssm_dtype", ssm_state_dtype(self.device, self.dtype))
 
 
 @dataclass(frozen=True, slots=True)
