@@ -8,10 +8,10 @@ waits for the handoff, the pull and a decode step. Where that is the connector's
 holdback, pdserve's prefill computes the whole prompt and samples the first token itself,
 with the request's own sampling settings, as SGLang's prefill does: the router streams it
 at once, and decode runs prompt + that token on the state after the prompt, which the
-connector's own rule (load all but the last token) already fits. Requests with stop
-strings keep the connector's split: a stop string could span the first token and the
-next ones, which decode's check would not see; there the token prefill samples is greedy
-and dropped.
+connector's own rule (load all but the last token) already fits. Requests whose settings
+look at the whole output (stop strings, bad words, presence/frequency penalties, a seed:
+SamplingConfig.decoded_whole) keep the connector's split, since decode's checks only see
+what decode samples; there the token prefill samples is greedy and dropped.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class TransferProducer:
         self._prefill_backoff = prefill_backoff
 
     def leg(self, request: GenerateRequest) -> PrefillLeg:
-        if self._prefill_backoff == 1 and not request.sampling.stop:
+        if self._prefill_backoff == 1 and not request.sampling.decoded_whole:
             # vLLM's own guard against cutting a request twice: here it is never cut.
             transfer = {"do_remote_decode": True, "_p_side_truncated": True}
             return PrefillLeg({"max_tokens": 1, "extra_args": {"kv_transfer_params": transfer}}, samples_first=True)

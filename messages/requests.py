@@ -15,6 +15,9 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 # vLLM's default max_logprobs (and OpenAI's cap on top_logprobs).
 MAX_LOGPROBS = 20
+# Per-step work a request adds to the batch it runs in: biased ids, banned words.
+MAX_LOGIT_BIAS = 1024
+MAX_BAD_WORDS = MAX_STOP_STRINGS
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +42,34 @@ class SamplingConfig:
     # Per generated token: its logprob and this many top alternatives (0: the token's own
     # only; None: no logprobs at all).
     logprobs: int | None = None
+    # vLLM's further sampling settings (vllm.SamplingParams), with its defaults and ranges.
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100])
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+
+    @property
+    def decoded_whole(self) -> bool:
+        """Whether decode must sample every output token itself, the first included (prefill
+        then leaves the last prompt token to decode, kv_transfer/producer.py): decode's checks
+        only see its own output, and vLLM's are over the request's whole output for stop
+        strings (one may span the first token and the next), bad words (a multi-token word
+        looks back across it), presence and frequency penalties (they count output tokens,
+        not prompt ones) and a seed (its generator draws once per output token, from the
+        first). Every other setting holds per token, or counts prompt and output alike
+        (repetition_penalty), or is counted across the legs (min_tokens, max_tokens)."""
+        return bool(
+            self.stop
+            or self.bad_words
+            or self.presence_penalty
+            or self.frequency_penalty
+            or (self.seed is not None and self.temperature > 0)
+        )
 
     def validate(self, limits: ModelLimits) -> None:
         if self.max_tokens < 1:
@@ -64,6 +95,40 @@ class SamplingConfig:
             raise InvalidRequestError(
                 "stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
             )
+        self._validate_vllm_extras(limits)
+
+    def _validate_vllm_extras(self, limits: ModelLimits) -> None:
+        """vLLM's ranges (SamplingParams._verify_args), checked here so that both fronts name
+        the field; the vocabulary checks are the engine's input processor's."""
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError("min_p", f"must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2 <= value <= 2):
+                raise InvalidRequestError(name, f"must be in [-2, 2], got {value}")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise InvalidRequestError("repetition_penalty", f"must be > 0 (1: off), got {self.repetition_penalty}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError("logit_bias", f"{len(self.logit_bias)} ids; at most {MAX_LOGIT_BIAS}")
+        bad = [t for t, _ in self.logit_bias if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise InvalidRequestError("logit_bias", f"ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise InvalidRequestError("logit_bias", "biases must be in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError("allowed_token_ids", "is empty: give at least one id, or leave it out")
+            bad = [t for t in self.allowed_token_ids if not 0 <= t < limits.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    "allowed_token_ids", f"ids {bad[:5]} outside the vocabulary [0, {limits.vocab_size})"
+                )
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise InvalidRequestError("bad_words", f"{len(self.bad_words)} words; at most {MAX_BAD_WORDS}")
+        if any(not w or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
+            raise InvalidRequestError("bad_words", f"each word must be 1 to {MAX_STOP_STRING_CHARS} characters")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +164,9 @@ class GenerateRequest:
         A seeded request gets a seed of its own for the rest: the resumed engine starts a
         fresh generator, and with the same seed it would draw the same noise again for the
         next token as it drew for the first (a bias towards repeating it). The stream stays
-        reproducible per seed, but is not the one an unsplit run of that seed gives."""
+        reproducible per seed, but is not the one an unsplit run of that seed gives. (A first
+        token that prefill samples is never seeded: SamplingConfig.decoded_whole.)
+        min_tokens counts the tokens already generated, as max_tokens does."""
         seed = self.sampling.seed
         return replace(
             self,
@@ -107,6 +174,7 @@ class GenerateRequest:
             sampling=replace(
                 self.sampling,
                 max_tokens=self.sampling.max_tokens - len(generated),
+                min_tokens=max(0, self.sampling.min_tokens - len(generated)),
                 seed=None if seed is None else (seed * 1_000_003 + len(generated)) % 2**63,
             ),
         )

@@ -31,6 +31,8 @@ class TokenChunk(PicklesPositionally):
     # Per token, when requested: top alternatives as (token id, logprob), best first.
     logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
     produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
+    # The engine's text of each entry of `logprobs` (vLLM's decoded_token), in its order.
+    logprob_texts: tuple[tuple[str | None, ...], ...] = ()
 
     @classmethod
     def joined(cls, chunks: "list[TokenChunk]") -> "TokenChunk":
@@ -41,6 +43,7 @@ class TokenChunk(PicklesPositionally):
             finish_reason=chunks[-1].finish_reason,
             logprobs=tuple(p for c in chunks for p in c.logprobs),
             produced_at=chunks[0].produced_at,
+            logprob_texts=tuple(p for c in chunks for p in c.logprob_texts),
         )
 
 

@@ -4,8 +4,8 @@ is rendered from it (`python -m router.openai_fields`), and a test fails when vL
 field it does not place.
 
 Honoured means the answer is what a colocated vLLM engine gives for the field (a real-engine test
-shows it, tests/test_openai_fields_engine.py), on the first token that prefill samples and on
-decode's continuation alike. Refused means a request that sets the field to anything but a value
+shows it per sampling field: tests/test_openai_http.py with tests/openai_cases.py), on the first
+token that prefill samples and on decode's continuation alike. Refused means a request that sets the field to anything but a value
 that asks for nothing (its default, or a no-op such as `frequency_penalty: 0`) gets 400 naming it:
 never accepted and dropped.
 """
@@ -81,20 +81,20 @@ TABLE: tuple[Placement, ...] = (
     _honoured("stop", "stop strings: decode computes the whole output, so a string across the first token is seen"),
     _honoured("stop_token_ids", "checked by each engine on every token it samples"),
     _honoured("ignore_eos", "applies on both legs"),
-    _refused("min_tokens", "not yet shown equal to a colocated engine through P/D", 0),
-    _refused("include_stop_str_in_output", "not yet shown equal to a colocated engine through P/D", False),
+    _honoured("min_tokens", "prefill's first token counts: decode is asked for min_tokens - 1"),
+    _honoured("include_stop_str_in_output", "with stop strings, which decode checks over the whole output"),
     # --- sampling ---------------------------------------------------------------------------
     _honoured("temperature", "applies on both legs; default 1 (OpenAI's)"),
     _honoured("top_p", "applies on both legs"),
     _honoured("top_k", "applies on both legs (0 or -1: off)"),
-    _refused("seed", "not yet shown equal to a colocated engine through P/D", None),
-    _refused("min_p", "not yet shown equal to a colocated engine through P/D", None, 0, 0.0),
-    _refused("logit_bias", "not yet shown equal to a colocated engine through P/D", None, {}),
-    _refused("allowed_token_ids", "not yet shown equal to a colocated engine through P/D", None),
-    _refused("bad_words", "not yet shown equal to a colocated engine through P/D", None, []),
-    _refused("presence_penalty", "decode would not count the first token as output (vLLM counts output only)", None, 0, 0.0),
-    _refused("frequency_penalty", "decode would not count the first token as output (vLLM counts output only)", None, 0, 0.0),
-    _refused("repetition_penalty", "not yet shown equal to a colocated engine through P/D", None, 1, 1.0),
+    _honoured("seed", "decode samples every token of a seeded request, so it draws what a colocated engine draws (the first token waits for the transfer)"),
+    _honoured("min_p", "per token, on both legs"),
+    _honoured("logit_bias", "per token, on both legs; biases clamped to [-100, 100] as vLLM does"),
+    _honoured("allowed_token_ids", "per token, on both legs"),
+    _honoured("bad_words", "decode samples every token (a word of several tokens looks back across the first)"),
+    _honoured("presence_penalty", "decode samples every token (vLLM counts output tokens only, the first among them)"),
+    _honoured("frequency_penalty", "decode samples every token (vLLM counts output tokens only, the first among them)"),
+    _honoured("repetition_penalty", "on both legs: it counts prompt and output tokens alike, so decode's prompt holds the first"),
     _refused("n", "one choice per request: n continuations of one prefill are not implemented", 1),
     _refused("use_beam_search", "beam search does not run through P/D", False),
     _refused("length_penalty", "beam search only, which is refused", 1, 1.0),
@@ -112,10 +112,10 @@ TABLE: tuple[Placement, ...] = (
     # --- what comes back -------------------------------------------------------------------------
     _honoured("stream", "server-sent events, a chunk per engine step"),
     _honoured("stream_options", "include_usage, and vLLM's continuous_usage_stats (usage in every chunk)"),
-    _refused("logprobs", "not yet returned through the HTTP front", None, False),
-    _refused("top_logprobs", "not yet returned through the HTTP front", 0, None, endpoints=(CHAT,)),
+    _honoured("logprobs", "every token's, the first from prefill, in vLLM's formatting; 0 to 20 alternatives"),
+    _honoured("top_logprobs", "as logprobs: 0 to 20 alternatives", (CHAT,)),
     _refused("prompt_logprobs", "not implemented: prefill does not return prompt logprobs", None),
-    _refused("return_tokens_as_token_ids", "not yet (with logprobs)", None, False),
+    _honoured("return_tokens_as_token_ids", "logprobs' tokens as 'token_id:<id>'"),
     _refused("return_token_ids", "not implemented", None, False),
     _refused("return_prompt_text", "not implemented", None, False, endpoints=(CHAT,)),
     _refused("skip_special_tokens", "not implemented: special tokens are always skipped", True),
@@ -147,7 +147,7 @@ GRPC_TABLE: tuple[Placement, ...] = tuple(
         ("sampling.temperature", "unset: 0 (greedy)"),
         ("sampling.top_p", "applies on both legs"),
         ("sampling.top_k", "applies on both legs"),
-        ("sampling.seed", "prefill's first token is the seed's; decode continues with a seed derived from it"),
+        ("sampling.seed", "decode samples every token of a seeded request: what a colocated engine draws"),
         ("sampling.stop", "decode computes the whole output, so a string across the first token is seen"),
         ("sampling.stop_token_ids", "checked by each engine on every token it samples"),
         ("sampling.ignore_eos", "applies on both legs"),

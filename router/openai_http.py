@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import socket
 import time
 import uuid
@@ -32,6 +33,7 @@ from messages.results import GenerationResult, TokenChunk
 from router import chat_prompt
 from router.admission import AdmissionController
 from router.openai_fields import CHAT, COMPLETIONS, refuse_what_is_not_honoured
+from router.openai_logprobs import LogprobsFormatter
 from router.metrics import REQUESTS
 from router.security import TokenRole, TokenTable
 
@@ -144,7 +146,7 @@ class OpenAIFront:
             self._authorize(request)
             body = self._parse(CompletionRequest, COMPLETIONS, request, await request.body())
             prompt = await self._completion_prompt(body)
-            return await self._respond(request, body, prompt, _CompletionShape(self.model_name, body))
+            return await self._respond(request, body, prompt, _CompletionShape(self.model_name, body, self._tokenizer))
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
@@ -153,7 +155,7 @@ class OpenAIFront:
             self._authorize(request)
             body = self._parse(ChatCompletionRequest, CHAT, request, await request.body())
             prompt = await asyncio.to_thread(self._chat_prompt, body)
-            return await self._respond(request, body, prompt, _ChatShape(self.model_name, body))
+            return await self._respond(request, body, prompt, _ChatShape(self.model_name, body, self._tokenizer))
 
         return app
 
@@ -244,6 +246,15 @@ class OpenAIFront:
             stop_token_ids=tuple(body.stop_token_ids or ()),
             ignore_eos=bool(body.ignore_eos),
             logprobs=shape.logprobs(body),
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            logit_bias=_logit_bias(body.logit_bias),
+            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
+            bad_words=tuple(body.bad_words or ()),
+            min_tokens=body.min_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
 
     # --- response --------------------------------------------------------------------------
@@ -285,8 +296,8 @@ class OpenAIFront:
             log.info("request %s: the client left; aborted", request.request_id)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         left.cancel()
-        text, result = whole.result()
-        return JSONResponse(shape.whole(text, result))
+        output, result = whole.result()
+        return JSONResponse(shape.whole(output, result))
 
     async def _events(self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager) -> AsyncIterator[Any]:
         """The orchestrator's events; failures become HTTPError; the admission slot is held
@@ -314,15 +325,16 @@ _OUTCOMES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 
 _ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
 
 
-async def _collect(events: AsyncIterator[Any]) -> tuple[str, GenerationResult]:
-    text, result = "", None
+async def _collect(events: AsyncIterator[Any]) -> tuple[TokenChunk, GenerationResult]:
+    """The whole output as one chunk, and the result."""
+    chunks, result = [], None
     async for event in events:
         if isinstance(event, GenerationResult):
             result = event
         else:
-            text += event.text
+            chunks.append(event)
     assert result is not None
-    return text, result
+    return TokenChunk.joined(chunks) if chunks else TokenChunk((), ""), result
 
 
 async def _disconnected(http: Request) -> None:
@@ -361,6 +373,19 @@ def _usage(result: GenerationResult) -> Any:
     )
 
 
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} as ids, each bias clamped to [-100, 100] as vLLM's
+    SamplingParams.from_optional does (a colocated vLLM server clamps, never refuses)."""
+    if not bias:
+        return ()
+    if any(math.isnan(value) for value in bias.values()):
+        raise InvalidRequestError("logit_bias", "a bias is NaN: give numbers in [-100, 100]")
+    try:
+        return tuple((int(token), min(100.0, max(-100.0, value))) for token, value in bias.items())
+    except ValueError:
+        raise InvalidRequestError("logit_bias", "keys must be token ids (as strings), e.g. {\"50256\": -100}") from None
+
+
 def _deprecated_max_tokens(body: Any) -> int | None:
     """Chat's `max_tokens`, which OpenAI deprecated for max_completion_tokens but clients send."""
     import warnings
@@ -378,12 +403,14 @@ def _sse(payload: Any) -> bytes:
 class _Shape:
     """How one endpoint reads its fields and shapes its responses."""
 
-    def __init__(self, model_name: str, body: Any) -> None:
+    def __init__(self, model_name: str, body: Any, tokenizer: Any) -> None:
         self.model_name = model_name
         # vLLM's response id: the client's request_id where it set one
         self.id = f"{self.prefix}-{body.request_id if 'request_id' in body.model_fields_set else uuid.uuid4().hex}"
         self.created = int(time.time())
         self._template: dict[str, Any] | None = None
+        top = self.logprobs(body)
+        self._logprobs = None if top is None else LogprobsFormatter(tokenizer, top, body.return_tokens_as_token_ids)
 
     prefix = "cmpl"
 
@@ -406,6 +433,8 @@ class _Shape:
         chunk = dict(self._template)
         choice = dict(chunk["choices"][0])
         self.fill(choice, event.text if event else None)
+        if event is not None and self._logprobs is not None:
+            choice["logprobs"] = self.logprobs_of(event)
         choice["finish_reason"] = finish
         chunk["choices"] = [choice]
         return chunk
@@ -416,7 +445,10 @@ class _Shape:
     def fill(self, choice: dict[str, Any], text: str | None) -> None:
         raise NotImplementedError
 
-    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
         raise NotImplementedError
 
     async def stream(
@@ -466,10 +498,14 @@ class _CompletionShape(_Shape):
     def fill(self, choice: dict[str, Any], text: str | None) -> None:
         choice["text"] = text or ""
 
-    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
+        return self._logprobs.completion(chunk)
+
+    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
 
-        choice = CompletionResponseChoice(index=0, text=text, finish_reason=result.finish_reason)
+        logprobs = self.logprobs_of(output) if self._logprobs is not None else None
+        choice = CompletionResponseChoice(index=0, text=output.text, logprobs=logprobs, finish_reason=result.finish_reason)
         response = CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
         return {**response.model_dump(), "pdserve_timings": _timings(result)}
 
@@ -511,16 +547,19 @@ class _ChatShape(_Shape):
 
     _role_sent = False
 
-    def whole(self, text: str, result: GenerationResult) -> dict[str, Any]:
+    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
+        return self._logprobs.chat(chunk)
+
+    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionResponse,
             ChatCompletionResponseChoice,
             ChatMessage,
         )
 
-        choice = ChatCompletionResponseChoice(
-            index=0, message=ChatMessage(role="assistant", content=text), finish_reason=result.finish_reason
-        )
+        logprobs = self.logprobs_of(output) if self._logprobs is not None else None
+        message = ChatMessage(role="assistant", content=output.text)
+        choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs, finish_reason=result.finish_reason)
         response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
         return {**response.model_dump(), "pdserve_timings": _timings(result)}
 

@@ -19,10 +19,19 @@ PROMPT = "Prefill processes the prompt and creates state; decode consumes that s
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, engine_config, model_path):
+def served(ray_cluster, engine_config, model_path, colocated):
+    # After the colocated references: one set of engines at a time on the test box's cores.
     stack = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path, http_model=MODEL)
     yield stack
     stack.close()
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_cluster, engine_config, model_path):
+    """Each field case's output on a colocated engine (no connector, one engine does all)."""
+    from openai_cases import reference_outputs
+
+    return reference_outputs(ray_cluster, engine_config, model_path)
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +147,40 @@ def test_hostile_bodies_get_no_5xx_and_the_server_keeps_serving(served):
     assert statuses.get(200, 0) > 5 and statuses.get(400, 0) > 5, statuses
     assert httpx.get(base + "/health").json() == {"status": "ok"}
     assert_no_blocks_held(served.dep)
+
+
+def _field_cases():
+    from openai_cases import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("name", _field_cases())
+def test_a_field_through_pd_gives_what_a_colocated_engine_gives(served, colocated, name):
+    """One request per honoured sampling field through the HTTP front and 1P+1D: the same
+    tokens (and logprobs) as a colocated vLLM engine on the same model, the first token
+    (prefill's, or decode's where the field needs decode to sample all) included; and the
+    field changed the output (against the same request without it)."""
+    from openai_cases import CASES, assert_same_as_colocated, through_http
+
+    case = CASES[name]
+    got = through_http(f"http://{served.http.address}", MODEL, case, colocated.prompts[case.prompt])
+    assert_same_as_colocated(case, got, colocated.outputs[name], colocated.outputs.get(case.changes))
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_streamed_chat_logprobs_start_with_prefills_token(served, colocated):
+    """Chat, streamed, logprobs with top_logprobs: the first delta holds the first token's
+    logprobs (sampled by prefill) and the stream as a whole the colocated engine's."""
+    from openai_cases import LOGPROB_TOLERANCE, chat_logprobs_stream
+
+    first_delta, tokens, logprobs = chat_logprobs_stream(f"http://{served.http.address}", MODEL, colocated.chat_messages)
+    ref = colocated.outputs["chat_logprobs"]
+    assert first_delta["content"] and first_delta["role"] == "assistant"
+    assert tokens == ref.tokens
+    for position, (got, want) in enumerate(zip(logprobs, ref.logprobs)):
+        assert got[0] == pytest.approx(want[0][1], abs=LOGPROB_TOLERANCE), position  # the sampled token's
+        assert [t for t, _ in got[1]] == [t for t, _ in want[:3]], position  # top 3, best first
 
 
 def test_vllm_bench_serve_runs_a_poisson_benchmark_with_goodput(served, model_path, tmp_path):

@@ -27,8 +27,20 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         stop_token_ids=list(sampling.stop_token_ids),
         ignore_eos=sampling.ignore_eos,
         logprobs=sampling.logprobs,
+        min_p=sampling.min_p,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        logit_bias=dict(sampling.logit_bias) or None,
+        allowed_token_ids=list(sampling.allowed_token_ids) if sampling.allowed_token_ids is not None else None,
+        bad_words=list(sampling.bad_words),
+        min_tokens=sampling.min_tokens,
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
     )
     fields.update(overrides)
+    # A prefill leg of one token holds what min_tokens asks of its token; decode's leg gets
+    # the rest (GenerateRequest.continued).
+    fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
     try:
         return SamplingParams(**fields)
     except Exception as exc:  # vLLM's own checks, should ours miss one
@@ -46,19 +58,16 @@ def as_invalid_request(exc: Exception) -> Exception:
 
 def token_chunk(completion: "CompletionOutput", finish_reason: str | None) -> TokenChunk:
     """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now."""
-    return TokenChunk(
-        tuple(completion.token_ids),
-        completion.text,
-        finish_reason,
-        _top_logprobs(completion.logprobs),
-        time.time(),
-    )
+    logprobs, texts = _top_logprobs(completion.logprobs)
+    return TokenChunk(tuple(completion.token_ids), completion.text, finish_reason, logprobs, time.time(), texts)
 
 
-def _top_logprobs(logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:  # noqa: ANN001
+def _top_logprobs(logprobs) -> tuple[tuple, tuple]:  # noqa: ANN001
+    """Best first, with the engine's text of each (the OpenAI front shows vLLM's texts)."""
     if not logprobs:
-        return ()
-    return tuple(
-        tuple(sorted(((token, lp.logprob) for token, lp in position.items()), key=lambda t: -t[1]))
-        for position in logprobs
+        return (), ()
+    ranked = [sorted(position.items(), key=lambda item: -item[1].logprob) for position in logprobs]
+    return (
+        tuple(tuple((token, lp.logprob) for token, lp in position) for position in ranked),
+        tuple(tuple(lp.decoded_token for _, lp in position) for position in ranked),
     )
