@@ -10,9 +10,12 @@ import pytest
 
 T = TypeVar("T")
 
-# Modules that start engines without the session's Ray cluster (a `pdserve serve` process,
-# a vLLM engine in the test's own process, a fresh install): `make test-fast` leaves them out.
-ENGINE_MODULES = frozenset({"test_serve_cli", "test_vs_vllm_bench", "test_install", "test_tuner_validation"})
+# Modules that start engines or clusters without the session's Ray cluster (a `pdserve serve`
+# process, `ray up`, a vLLM engine in the test's own process, a fresh install): `make test-fast`
+# leaves them out.
+ENGINE_MODULES = frozenset(
+    {"test_serve_cli", "test_vs_vllm_bench", "test_install", "test_tuner_validation", "test_deploy_loopback"}
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
