@@ -44,11 +44,16 @@ def test_models_lists_the_served_model(client):
 
 
 def test_streamed_completion_matches_the_whole_one_and_reports_usage(client, served):
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    args = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2, extra_body={"ignore_eos": True})
     whole = client.completions.create(**args)
     chunks = list(client.completions.create(**args, stream=True, stream_options={"include_usage": True}))
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text and text
+    # The same logprobs streamed (the first chunk's from prefill) as in the whole answer.
+    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=0.1) and len(streamed) == 16
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert offsets == whole.choices[0].logprobs.text_offset
     usage = chunks[-1].usage
     assert usage.completion_tokens == 16 == whole.usage.completion_tokens
     assert usage.prompt_tokens == whole.usage.prompt_tokens > 5
@@ -61,8 +66,13 @@ def test_streamed_completion_matches_the_whole_one_and_reports_usage(client, ser
 
 def test_chat_completion_streams_and_reports_usage(client):
     messages = [{"role": "user", "content": "Why split prefill from decode?"}]
-    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    whole = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=2
+    )
     assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens <= 12
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in content)
+    assert "".join(t.token for t in content) == whole.choices[0].message.content
     chunks = list(
         client.chat.completions.create(
             model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True,
