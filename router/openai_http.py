@@ -4,10 +4,12 @@ the gRPC front, so the OpenAI SDK and the field's benchmark tools (`vllm bench s
 guidellm, aiperf) can drive pdserve.
 
 Request and response bodies are vLLM's own OpenAI protocol models (pydantic); the ASGI stack
-is FastAPI + uvicorn, which vLLM already installs. Streams are server-sent events with
-`stream_options.include_usage`; errors are OpenAI's error JSON with the matching HTTP code.
-A client that disconnects cancels the stream, which aborts the request on whichever engine
-holds it. pdserve's phase timings ride along as an extension field, `pdserve_timings`.
+is FastAPI + uvicorn, which vLLM already installs. Every field is honoured or refused by name
+(router/openai_fields.py), and validated where the gRPC front validates (messages/requests.py).
+Streams are server-sent events with `stream_options.include_usage`; errors, on every route,
+are OpenAI's error JSON (docs/api.md). A client that disconnects, streamed or not, aborts the
+request on whichever engine holds it. pdserve's phase timings ride along as an extension
+field, `pdserve_timings`.
 """
 
 from __future__ import annotations
