@@ -82,9 +82,7 @@ class SamplingConfig:
             raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k}")
         bad = [t for t in self.stop_token_ids if not 0 <= t < limits.vocab_size]
         if bad:
-            raise InvalidRequestError(
-                "stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})"
-            )
+            raise InvalidRequestError("stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if len(self.stop) > MAX_STOP_STRINGS:
@@ -92,9 +90,7 @@ class SamplingConfig:
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
             raise InvalidRequestError("stop", f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise InvalidRequestError(
-                "stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}"
-            )
+            raise InvalidRequestError("stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
         self._validate_vllm_extras(limits)
 
     def _validate_vllm_extras(self, limits: ModelLimits) -> None:
@@ -128,7 +124,9 @@ class SamplingConfig:
         if any(not w or len(w) > MAX_STOP_STRING_CHARS for w in self.bad_words):
             raise InvalidRequestError("bad_words", f"each word must be 1 to {MAX_STOP_STRING_CHARS} characters")
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise InvalidRequestError("min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+            raise InvalidRequestError(
+                "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +145,7 @@ class GenerateRequest:
             )
         bad = [t for t in self.prompt_token_ids if not 0 <= t < limits.vocab_size]
         if bad:
-            raise InvalidRequestError(
-                "prompt_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})"
-            )
+            raise InvalidRequestError("prompt_token_ids", f"{bad[:5]} outside the vocabulary [0, {limits.vocab_size})")
         self.sampling.validate(limits)
         if n + self.sampling.max_tokens > limits.max_model_len:
             raise InvalidRequestError(

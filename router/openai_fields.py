@@ -5,9 +5,9 @@ field it does not place.
 
 Honoured means the answer is what a colocated vLLM engine gives for the field (a real-engine test
 shows it per sampling field: tests/test_openai_http.py with tests/openai_cases.py), on the first
-token that prefill samples and on decode's continuation alike. Refused means a request that sets the field to anything but a value
-that asks for nothing (its default, or a no-op such as `frequency_penalty: 0`) gets 400 naming it:
-never accepted and dropped.
+token that prefill samples and on decode's continuation alike. Refused means a request that sets
+the field to anything but a value that asks for nothing (its default, or a no-op such as
+`frequency_penalty: 0`) gets 400 naming it: never accepted and dropped.
 """
 
 from __future__ import annotations
@@ -64,14 +64,33 @@ TABLE: tuple[Placement, ...] = (
     _honoured("messages", "rendered with the model's chat template; text content parts joined as vLLM does", (CHAT,)),
     _honoured("add_special_tokens", "passed to the router's tokenizer, which makes the prompt ids"),
     _honoured("add_generation_prompt", "passed to the chat template", (CHAT,)),
-    _honoured("continue_final_message", "passed to the chat template (vLLM refuses it together with add_generation_prompt)", (CHAT,)),
+    _honoured(
+        "continue_final_message",
+        "passed to the chat template (vLLM refuses it together with add_generation_prompt)",
+        (CHAT,),
+    ),
     _refused("echo", "not implemented: the prompt is not returned with the completion", None, False),
-    _refused("suffix", "fill-in-the-middle needs a model that renders it (vLLM refuses it too)", None, "", endpoints=(COMPLETIONS,)),
-    _refused("prompt_embeds", "pdserve sends token ids to its engines, not embeddings", None, [], endpoints=(COMPLETIONS,)),
+    _refused(
+        "suffix",
+        "fill-in-the-middle needs a model that renders it (vLLM refuses it too)",
+        None,
+        "",
+        endpoints=(COMPLETIONS,),
+    ),
+    _refused(
+        "prompt_embeds", "pdserve sends token ids to its engines, not embeddings", None, [], endpoints=(COMPLETIONS,)
+    ),
     _refused("truncate_prompt_tokens", "not implemented: a prompt that does not fit is refused, never cut", None),
     _refused("truncation_side", "only with truncate_prompt_tokens, which is refused", None),
-    _refused("documents", "not implemented: RAG documents are not passed to the chat template", None, endpoints=(CHAT,)),
-    _refused("chat_template", "a template from the request is code from the client (vLLM refuses it unless trusted)", None, endpoints=(CHAT,)),
+    _refused(
+        "documents", "not implemented: RAG documents are not passed to the chat template", None, endpoints=(CHAT,)
+    ),
+    _refused(
+        "chat_template",
+        "a template from the request is code from the client (vLLM refuses it unless trusted)",
+        None,
+        endpoints=(CHAT,),
+    ),
     _refused("chat_template_kwargs", "not implemented: no extra chat template arguments", None, {}, endpoints=(CHAT,)),
     _refused("media_io_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
     _refused("mm_processor_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
@@ -87,14 +106,21 @@ TABLE: tuple[Placement, ...] = (
     _honoured("temperature", "applies on both legs; default 1 (OpenAI's)"),
     _honoured("top_p", "applies on both legs"),
     _honoured("top_k", "applies on both legs (0 or -1: off)"),
-    _honoured("seed", "decode samples every token of a seeded request, so it draws what a colocated engine draws (the first token waits for the transfer)"),
+    _honoured(
+        "seed",
+        "decode samples every token of a seeded request, so it draws what a colocated engine draws "
+        "(the first token waits for the transfer)",
+    ),
     _honoured("min_p", "per token, on both legs"),
     _honoured("logit_bias", "per token, on both legs; biases clamped to [-100, 100] as vLLM does"),
     _honoured("allowed_token_ids", "per token, on both legs"),
     _honoured("bad_words", "decode samples every token (a word of several tokens looks back across the first)"),
     _honoured("presence_penalty", "decode samples every token (vLLM counts output tokens only, the first among them)"),
     _honoured("frequency_penalty", "decode samples every token (vLLM counts output tokens only, the first among them)"),
-    _honoured("repetition_penalty", "on both legs: it counts prompt and output tokens alike, so decode's prompt holds the first"),
+    _honoured(
+        "repetition_penalty",
+        "on both legs: it counts prompt and output tokens alike, so decode's prompt holds the first",
+    ),
     _refused("n", "one choice per request: n continuations of one prefill are not implemented", 1),
     _refused("use_beam_search", "beam search does not run through P/D", False),
     _refused("length_penalty", "beam search only, which is refused", 1, 1.0),
@@ -108,7 +134,9 @@ TABLE: tuple[Placement, ...] = (
     _refused("tool_choice", "tool calling is not implemented", "none", None, endpoints=(CHAT,)),
     _refused("parallel_tool_calls", "tool calling is not implemented", True, None, endpoints=(CHAT,)),
     _refused("reasoning_effort", "no reasoning parser runs", None, endpoints=(CHAT,)),
-    _refused("include_reasoning", "no reasoning parser runs, so there is no reasoning to leave out", True, endpoints=(CHAT,)),
+    _refused(
+        "include_reasoning", "no reasoning parser runs, so there is no reasoning to leave out", True, endpoints=(CHAT,)
+    ),
     # --- what comes back -------------------------------------------------------------------------
     _honoured("stream", "server-sent events, a chunk per engine step"),
     _honoured("stream_options", "include_usage, and vLLM's continuous_usage_stats (usage in every chunk)"),
@@ -173,7 +201,9 @@ def refuse_what_is_not_honoured(body: Any, endpoint: str) -> None:
         if placement is None:
             if name in type(body).model_fields:  # a new vLLM field: tests/test_openai_fields.py says so
                 raise InvalidRequestError(name, "pdserve does not place this field yet: leave it out")
-            raise InvalidRequestError(name, "unrecognized request argument (OpenAI's and vLLM's fields only): leave it out")
+            raise InvalidRequestError(
+                name, "unrecognized request argument (OpenAI's and vLLM's fields only): leave it out"
+            )
         if placement.honoured:
             continue
         field = type(body).model_fields[name]

@@ -138,7 +138,9 @@ class OpenAIFront:
             from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
             self._authorize(request)
-            card = ModelCard(id=self.model_name, owned_by="pdserve", max_model_len=self._orchestrator.limits.max_model_len)
+            card = ModelCard(
+                id=self.model_name, owned_by="pdserve", max_model_len=self._orchestrator.limits.max_model_len
+            )
             return JSONResponse(ModelList(data=[card]).model_dump())
 
         @app.post("/v1/completions")
@@ -195,7 +197,9 @@ class OpenAIFront:
             first = err.errors(include_url=False)[0]
             loc = first["loc"]
             # pydantic's location names union members too ("list[constrained-int]"): keep fields
-            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc if isinstance(p, int) or p.isidentifier())
+            where = "".join(
+                f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc if isinstance(p, int) or p.isidentifier()
+            )
             where = where.lstrip(".")
             raise invalid(f"{where or 'request body'}: {first['msg']}", str(loc[0]) if loc else None) from None
         except VLLMValidationError as err:
@@ -217,7 +221,9 @@ class OpenAIFront:
         if isinstance(prompt, str):
             if len(prompt.encode()) > self._max_prompt_bytes:
                 raise invalid(f"prompt: at most {self._max_prompt_bytes:,} bytes", "prompt")
-            return tuple(await asyncio.to_thread(self._tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens))
+            return tuple(
+                await asyncio.to_thread(self._tokenizer.encode, prompt, add_special_tokens=body.add_special_tokens)
+            )
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return tuple(prompt)
         raise invalid("prompt: one string or one list of token ids per request", "prompt")
@@ -301,7 +307,9 @@ class OpenAIFront:
         output, result = whole.result()
         return JSONResponse(shape.whole(output, result))
 
-    async def _events(self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager) -> AsyncIterator[Any]:
+    async def _events(
+        self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager
+    ) -> AsyncIterator[Any]:
         """The orchestrator's events; failures become HTTPError; the admission slot is held
         until the stream ends (or the client leaves)."""
         try:
@@ -317,13 +325,23 @@ class OpenAIFront:
             raise
         except Exception:
             log.exception("request %s failed", request.request_id)
-            raise HTTPError(500, f"internal error serving {request.request_id}; the router's log has details", "server_error") from None
+            raise HTTPError(
+                500, f"internal error serving {request.request_id}; the router's log has details", "server_error"
+            ) from None
         finally:
             await slot.__aexit__(None, None, None)
 
 
-_OUTCOMES = {400: "invalid_argument", 401: "unauthenticated", 404: "not_found", 413: "invalid_argument",
-             415: "invalid_argument", 429: "resource_exhausted", 500: "internal", 503: "unavailable"}
+_OUTCOMES = {
+    400: "invalid_argument",
+    401: "unauthenticated",
+    404: "not_found",
+    413: "invalid_argument",
+    415: "invalid_argument",
+    429: "resource_exhausted",
+    500: "internal",
+    503: "unavailable",
+}
 _ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
 
 
@@ -385,7 +403,7 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     try:
         return tuple((int(token), min(100.0, max(-100.0, value))) for token, value in bias.items())
     except ValueError:
-        raise InvalidRequestError("logit_bias", "keys must be token ids (as strings), e.g. {\"50256\": -100}") from None
+        raise InvalidRequestError("logit_bias", 'keys must be token ids (as strings), e.g. {"50256": -100}') from None
 
 
 def _deprecated_max_tokens(body: Any) -> int | None:
@@ -495,7 +513,9 @@ class _CompletionShape(_Shape):
         from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
 
         choices = [CompletionResponseStreamChoice(index=0, text="")]
-        return CompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+        return CompletionStreamResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=choices
+        ).model_dump()
 
     def fill(self, choice: dict[str, Any], text: str | None) -> None:
         choice["text"] = text or ""
@@ -507,8 +527,12 @@ class _CompletionShape(_Shape):
         from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
 
         logprobs = self.logprobs_of(output) if self._logprobs is not None else None
-        choice = CompletionResponseChoice(index=0, text=output.text, logprobs=logprobs, finish_reason=result.finish_reason)
-        response = CompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
+        choice = CompletionResponseChoice(
+            index=0, text=output.text, logprobs=logprobs, finish_reason=result.finish_reason
+        )
+        response = CompletionResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result)
+        )
         return {**response.model_dump(), "pdserve_timings": _timings(result)}
 
 
@@ -524,7 +548,9 @@ class _ChatShape(_Shape):
     def param(self, field_name: str, body: Any) -> str:
         if field_name == "max_tokens" and body.max_completion_tokens is not None:
             return "max_completion_tokens"
-        return {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}.get(field_name, field_name)
+        return {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}.get(
+            field_name, field_name
+        )
 
     def empty_chunk(self) -> dict[str, Any]:
         from vllm.entrypoints.generate.base.protocol import DeltaMessage
@@ -534,7 +560,9 @@ class _ChatShape(_Shape):
         )
 
         choices = [ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=""))]
-        return ChatCompletionStreamResponse(id=self.id, created=self.created, model=self.model_name, choices=choices).model_dump()
+        return ChatCompletionStreamResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=choices
+        ).model_dump()
 
     def fill(self, choice: dict[str, Any], text: str | None) -> None:
         # Only the fields a delta sets, as vLLM sends them (exclude_unset); the role in the
@@ -561,8 +589,12 @@ class _ChatShape(_Shape):
 
         logprobs = self.logprobs_of(output) if self._logprobs is not None else None
         message = ChatMessage(role="assistant", content=output.text)
-        choice = ChatCompletionResponseChoice(index=0, message=message, logprobs=logprobs, finish_reason=result.finish_reason)
-        response = ChatCompletionResponse(id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result))
+        choice = ChatCompletionResponseChoice(
+            index=0, message=message, logprobs=logprobs, finish_reason=result.finish_reason
+        )
+        response = ChatCompletionResponse(
+            id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result)
+        )
         return {**response.model_dump(), "pdserve_timings": _timings(result)}
 
 
@@ -624,4 +656,3 @@ def openai_front_for(router_server: Any, tokenizer: Any, model_name: str) -> Ope
         router_server.max_prompt_bytes,
         router_server.front.tokens,
     )
-

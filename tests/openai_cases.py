@@ -46,16 +46,23 @@ class Case:
 _GREEDY = {"temperature": 0}
 CASES: dict[str, Case] = {
     "greedy": Case("short", {**_GREEDY, "ignore_eos": True}, {"ignore_eos": True}),
-    "logprobs": Case("short", {**_GREEDY, "ignore_eos": True, "logprobs": 5}, {"ignore_eos": True, "logprobs": 5}, logprobs=5),
+    "logprobs": Case(
+        "short", {**_GREEDY, "ignore_eos": True, "logprobs": 5}, {"ignore_eos": True, "logprobs": 5}, logprobs=5
+    ),
     "logit_bias": Case("short", {**_GREEDY, "logit_bias": {"881": -100}}, {"logit_bias": ((881, -100.0),)}, "greedy"),
     "allowed_token_ids": Case(
-        "short", {**_GREEDY, "allowed_token_ids": list(range(300, 881))}, {"allowed_token_ids": tuple(range(300, 881))}, "greedy"
+        "short",
+        {**_GREEDY, "allowed_token_ids": list(range(300, 881))},
+        {"allowed_token_ids": tuple(range(300, 881))},
+        "greedy",
     ),
     "bad_words": Case("short", {**_GREEDY, "bad_words": [" Batching"]}, {"bad_words": (" Batching",)}, "greedy"),
     "repetition_penalty": Case("short", {**_GREEDY, "repetition_penalty": 2.0}, {"repetition_penalty": 2.0}, "greedy"),
     "include_stop_str_in_output": Case(
-        "short", {**_GREEDY, "stop": [" multiple"], "include_stop_str_in_output": True},
-        {"stop": (" multiple",), "include_stop_str_in_output": True}, "stop",
+        "short",
+        {**_GREEDY, "stop": [" multiple"], "include_stop_str_in_output": True},
+        {"stop": (" multiple",), "include_stop_str_in_output": True},
+        "stop",
     ),  # fmt: skip
     "stop": Case("short", {**_GREEDY, "stop": [" multiple"]}, {"stop": (" multiple",)}),
     # min_tokens == max_tokens: decode must be asked for one fewer (the first is prefill's),
@@ -65,14 +72,21 @@ CASES: dict[str, Case] = {
     "seed": Case("any", {"temperature": 1.0, "seed": 6}, {"temperature": 1.0, "seed": 6}),
     "other_seed": Case("any", {"temperature": 1.0, "seed": 5}, {"temperature": 1.0, "seed": 5}, "seed"),
     "top_k_top_p": Case(
-        "any", {"temperature": 1.0, "seed": 6, "top_k": 20, "top_p": 0.8}, {"temperature": 1.0, "seed": 6, "top_k": 20, "top_p": 0.8}, "seed"
+        "any",
+        {"temperature": 1.0, "seed": 6, "top_k": 20, "top_p": 0.8},
+        {"temperature": 1.0, "seed": 6, "top_k": 20, "top_p": 0.8},
+        "seed",
     ),
-    "min_p": Case("any", {"temperature": 1.0, "seed": 6, "min_p": 0.2}, {"temperature": 1.0, "seed": 6, "min_p": 0.2}, "seed"),
+    "min_p": Case(
+        "any", {"temperature": 1.0, "seed": 6, "min_p": 0.2}, {"temperature": 1.0, "seed": 6, "min_p": 0.2}, "seed"
+    ),
     # The model's margins on its corpus (5-10 nats) outweigh any penalty at greedy; sampled,
     # the repeated newline at token 3 goes.
     "penalties": Case(
-        "short", {"temperature": 1.0, "seed": 6, "presence_penalty": 2.0, "frequency_penalty": 2.0},
-        {"temperature": 1.0, "seed": 6, "presence_penalty": 2.0, "frequency_penalty": 2.0}, "short_seed",
+        "short",
+        {"temperature": 1.0, "seed": 6, "presence_penalty": 2.0, "frequency_penalty": 2.0},
+        {"temperature": 1.0, "seed": 6, "presence_penalty": 2.0, "frequency_penalty": 2.0},
+        "short_seed",
     ),  # fmt: skip
     "short_seed": Case("short", {"temperature": 1.0, "seed": 6}, {"temperature": 1.0, "seed": 6}),
 }
@@ -193,7 +207,9 @@ def through_http(base: str, model: str, case: Case, prompt: tuple[int, ...]) -> 
     lp = choice["logprobs"]
     top = [{_token_id(t): v for t, v in position.items()} for position in lp["top_logprobs"]]
     tokens = [_token_id(t) for t in lp["tokens"]]
-    return Answer(tokens, choice["text"], choice["finish_reason"], lp["token_logprobs"], top, response.json()["pdserve_timings"])
+    return Answer(
+        tokens, choice["text"], choice["finish_reason"], lp["token_logprobs"], top, response.json()["pdserve_timings"]
+    )
 
 
 def compared_length(case: Case, ref: Output) -> int:
@@ -230,7 +246,11 @@ def assert_same_as_colocated(case: Case, got: Answer, ref: Output, baseline: Out
     if baseline is not None:  # the field did something, within what is compared
         differs = next((i for i, (a, b) in enumerate(zip(ref.tokens, baseline.tokens)) if a != b), None)
         if differs is None:  # the same tokens: then their number, or the text (a stop string kept)
-            assert (len(ref.tokens), ref.finish_reason, ref.text) != (len(baseline.tokens), baseline.finish_reason, baseline.text)
+            assert (len(ref.tokens), ref.finish_reason, ref.text) != (
+                len(baseline.tokens),
+                baseline.finish_reason,
+                baseline.text,
+            )
         else:
             assert differs < n, f"the field changes token {differs}, past the {n} compared"
 
@@ -254,8 +274,18 @@ def chat_logprobs_stream(base: str, model: str, messages: list[dict[str, str]]):
             first_delta = first_delta or chunk["choices"][0]["delta"]
             for entry in chunk["choices"][0]["logprobs"]["content"]:
                 tokens.append(_token_id(entry["token"]))
-                logprobs.append((entry["logprob"], [(_token_id(t["token"]), t["logprob"]) for t in entry["top_logprobs"]]))
+                logprobs.append(
+                    (entry["logprob"], [(_token_id(t["token"]), t["logprob"]) for t in entry["top_logprobs"]])
+                )
     return first_delta, tokens, logprobs
 
 
-__all__ = ["CASES", "Case", "Colocated", "assert_same_as_colocated", "chat_logprobs_stream", "dataclasses", "through_http"]
+__all__ = [
+    "CASES",
+    "Case",
+    "Colocated",
+    "assert_same_as_colocated",
+    "chat_logprobs_stream",
+    "dataclasses",
+    "through_http",
+]

@@ -156,7 +156,14 @@ def test_malformed_body_is_400_naming_the_field(front, path, body, param):
 
 @pytest.mark.parametrize(
     "raw",
-    ['{"prompt": "a b c", "temperature": NaN}', '{"prompt": "a b c", "top_p": Infinity}', '{"prompt": "a', "[]", "null", ""],
+    [
+        '{"prompt": "a b c", "temperature": NaN}',
+        '{"prompt": "a b c", "top_p": Infinity}',
+        '{"prompt": "a',
+        "[]",
+        "null",
+        "",
+    ],
 )
 def test_body_that_is_not_a_request_object_is_400(front, raw):
     assert_openai_error(_post(front, COMPLETIONS, raw), 400)
@@ -174,7 +181,10 @@ def test_body_not_sent_as_json_is_415(front, content_type):
 
 
 def test_json_with_a_charset_is_accepted(front):
-    assert _post(front, COMPLETIONS, {"prompt": "a b c", "max_tokens": 2}, "application/json; charset=utf-8").status_code == 200
+    assert (
+        _post(front, COMPLETIONS, {"prompt": "a b c", "max_tokens": 2}, "application/json; charset=utf-8").status_code
+        == 200
+    )
 
 
 def test_unknown_route_and_method_answer_in_openai_shape(front):
@@ -254,6 +264,7 @@ def bodies(path: str, model: str = MODEL):
         "min_tokens": small,
         "echo": st.booleans(),
     }
+
     def mostly(value):  # one value in eight hostile
         return st.integers(0, 7).flatmap(lambda k: hostile if k == 0 else value)
 
@@ -282,7 +293,10 @@ def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
     statuses: dict[int, int] = {}
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
-    @given(st.sampled_from([COMPLETIONS, CHAT]).flatmap(lambda path: st.tuples(st.just(path), bodies(path))), st.integers(0, 9))
+    @given(
+        st.sampled_from([COMPLETIONS, CHAT]).flatmap(lambda path: st.tuples(st.just(path), bodies(path))),
+        st.integers(0, 9),
+    )
     def check(case, cut):
         path, body = case
         raw = json.dumps(body, allow_nan=True)

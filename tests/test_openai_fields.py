@@ -102,7 +102,11 @@ _IMPLIED = {"return_mm_kwargs": {"mm_payload"}, "tools": {"tool_choice"}}
 
 
 def _base(endpoint: str) -> dict:
-    return {"prompt": "Prefill makes the state", "max_tokens": 2} if endpoint == openai_fields.COMPLETIONS else {"messages": MESSAGES, "max_tokens": 2}
+    return (
+        {"prompt": "Prefill makes the state", "max_tokens": 2}
+        if endpoint == openai_fields.COMPLETIONS
+        else {"messages": MESSAGES, "max_tokens": 2}
+    )
 
 
 def _refused_cases():
@@ -161,7 +165,9 @@ def test_text_content_parts_are_joined_as_vllm_does_and_others_refused(front, to
     joined = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Why split\nprefill from decode?"}], add_generation_prompt=True, tokenize=False
     )
-    assert front._orchestrator.requests[-1].prompt_token_ids == tuple(tokenizer.encode(joined, add_special_tokens=False))
+    assert front._orchestrator.requests[-1].prompt_token_ids == tuple(
+        tokenizer.encode(joined, add_special_tokens=False)
+    )
     image = [{"type": "image_url", "image_url": {"url": "http://example.com/x.png"}}]
     error = assert_openai_error(_post(front, CHAT, {"messages": [{"role": "user", "content": image}]}), 400)
     assert error["param"] == "messages[0].content[0]" and "text only" in error["message"]

@@ -50,7 +50,9 @@ def test_streamed_completion_matches_the_whole_one_and_reports_usage(client, ser
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text and text
     # The same logprobs streamed (the first chunk's from prefill) as in the whole answer.
-    streamed = [lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs]
+    streamed = [
+        lp for c in chunks if c.choices and c.choices[0].logprobs for lp in c.choices[0].logprobs.token_logprobs
+    ]
     assert streamed == pytest.approx(whole.choices[0].logprobs.token_logprobs, abs=0.1) and len(streamed) == 16
     offsets = [o for c in chunks if c.choices and c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
     assert offsets == whole.choices[0].logprobs.text_offset
@@ -117,7 +119,10 @@ def test_client_leaving_a_request_that_is_not_streamed_aborts_it(served):
 
     host, port = served.http.address.rsplit(":", 1)
     body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 3000, "ignore_eos": True}).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with socket.create_connection((host, int(port))) as sock:
         sock.sendall(head.encode() + body)
         assert wait_until(lambda: not _engines_idle(served.dep), 30), "the request never started"
@@ -184,7 +189,9 @@ def test_streamed_chat_logprobs_start_with_prefills_token(served, colocated):
     logprobs (sampled by prefill) and the stream as a whole the colocated engine's."""
     from openai_cases import LOGPROB_TOLERANCE, chat_logprobs_stream
 
-    first_delta, tokens, logprobs = chat_logprobs_stream(f"http://{served.http.address}", MODEL, colocated.chat_messages)
+    first_delta, tokens, logprobs = chat_logprobs_stream(
+        f"http://{served.http.address}", MODEL, colocated.chat_messages
+    )
     ref = colocated.outputs["chat_logprobs"]
     assert first_delta["content"] and first_delta["role"] == "assistant"
     assert tokens == ref.tokens

@@ -87,7 +87,12 @@ def test_vllms_further_settings_map_to_vllm():
     )  # fmt: skip
     GenerateRequest("r", (1, 2), sampling).validate(LIMITS)
     params = sampling_params(sampling)
-    assert (params.min_p, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.1, 0.5, -0.5, 1.2)
+    assert (params.min_p, params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.1,
+        0.5,
+        -0.5,
+        1.2,
+    )
     assert params.logit_bias == {5: -100.0} and params.allowed_token_ids == [5, 6] and params.bad_words == ["a b"]
     assert params.min_tokens == 3 and params.include_stop_str_in_output and params.logprobs == 0
     assert sampling_params(SamplingConfig()).logprobs is None
