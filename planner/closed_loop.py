@@ -51,7 +51,7 @@ class PlannerConfig:
     rate_weight: float = 0.5  # the newest interval's weight in the forecast rate
     correction_weight: float = 0.5  # how far one interval moves a correction toward its target
     correction_bounds: tuple[float, float] = (0.5, 2.0)  # a factor outside is a broken model, not drift
-    min_requests: int = 20  # finished requests an interval needs before it is acted on
+    min_requests: int = 20  # finished (or, once the mix is known, arrived) requests an interval needs
     batch_limit: int = DEFAULT_BATCH_LIMIT  # the decode engines' max_num_seqs
     token_budget: int = DEFAULT_TOKEN_BUDGET  # the prefill engines' max_num_batched_tokens
     search_requests: int = 200  # requests per simulation of the search
@@ -187,9 +187,16 @@ class ClosedLoopPlanner:
         previous = self.forecast
         expected = self.forecast = forecast(previous, window, config.rate_weight, config.min_requests)
         recommended, goodputs, search_s = current, (None, None), 0.0
-        if window.requests < config.min_requests:
+        # An overloaded split finishes fewer requests than arrive: counting finished ones
+        # alone would hold it exactly when it falls behind. Arrivals are evidence enough
+        # once some window has given the length mix.
+        overloaded = window.arrivals >= config.min_requests and expected.has_mix
+        if window.requests < config.min_requests and not overloaded:
             action: Action = "hold"
-            reason = f"{window.requests} requests finished in the interval, fewer than {config.min_requests}"
+            reason = (
+                f"{window.requests} requests finished and {window.arrivals} arrived in the interval, "
+                f"fewer than {config.min_requests}"
+            )
         else:
             started = time.perf_counter()
             model = self.corrections.apply(self.model)

@@ -54,6 +54,7 @@ class WindowSummary:
 
     start_s: float
     end_s: float
+    arrivals: int  # requests that arrived in the window, finished or not
     arrival_rate_rps: float
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
@@ -77,6 +78,7 @@ def summarize(observation: IntervalObservation) -> WindowSummary:
     return WindowSummary(
         start_s=observation.start_s,
         end_s=observation.end_s,
+        arrivals=arrivals,
         arrival_rate_rps=arrivals / duration,
         arrival_s=np.array([r.arrival_s for r in requests], dtype=float),
         prompt_tokens=np.array([r.prompt_tokens for r in requests], dtype=np.int64),

@@ -68,6 +68,23 @@ def test_an_interval_without_enough_requests_holds():
     assert not decision.changed and "fewer than 10" in decision.reason and pools.resizes == []
 
 
+def test_an_overloaded_interval_is_acted_on_by_its_arrivals():
+    """Prefill falls behind: 4 req/s of 2,000-token prompts arrive, 6 requests finish. With
+    the length mix known from the interval before, the arrivals alone move the split."""
+    pools, now = _Pools(1, 2), [0.0]
+    loop = _loop(pools, now)
+    loop.add(_report(0, rate=0.2, seconds=60, prompt=2000, output=10))  # 12 finished: the mix
+    now[0] = 60.0
+    first = asyncio.run(loop.step())
+    assert not first.changed
+    finished = _report(60, rate=0.1, seconds=60, prompt=2000, output=10).finished  # 6 finished
+    loop.add(RouterReport(finished, 240))
+    now[0] = 120.0
+    decision = asyncio.run(loop.step())
+    assert decision.changed and decision.recommended.prefill == 2, decision.reason
+    assert pools.split == (2, 1)
+
+
 def test_a_change_that_cannot_be_made_is_recorded_and_seen_as_not_made():
     pools, now = _Pools(1, 2, fail=True), [0.0]
     loop = _loop(pools, now)
