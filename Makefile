@@ -11,8 +11,8 @@ install:
 run: install
 	$(VENV)/bin/pdserve demo
 
-# Everything, engines included: what CI runs (.ci/run).
-test: install
+# The linter, then everything, engines included: what CI runs (.ci/run).
+test: install lint
 	$(VENV)/bin/python -m pytest -q
 
 # No engine, no Ray, no pdserve process: the tests that answer in seconds.

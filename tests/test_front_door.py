@@ -222,15 +222,28 @@ def test_blocks_of_an_undecoded_prefill_are_freed_at_once(door):
     assert time.monotonic() - released < 1.5
 
 
+DEADLINE_PROMPT = prompt_of(13, 1, 4000)
+
+
+@pytest.fixture(scope="module")
+def long_prefill_s(door) -> float:
+    """How long the 4,000-token prompt's prefill step takes on this box (0.5-1 s on some,
+    several seconds on CPUs without AVX512-BF16): an abort lands only after the step."""
+    started = time.monotonic()
+    door.call(lambda ch: _generate(ch, build_request(list(DEADLINE_PROMPT), max_tokens=2, ignore_eos=True)))
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("deadline_s", [0.03, 0.06, 0.1, 0.15])
-def test_deadline_anywhere_in_a_request_leaves_no_block_held(door, deadline_s):
+def test_deadline_anywhere_in_a_request_leaves_no_block_held(door, long_prefill_s, deadline_s):
     """A 4,000-token prompt whose deadline fires in prefill, in the handoff or in decode: every
-    engine frees what it held within seconds (an abort lands between engine steps, and one
-    4,000-token prefill step takes ~0.5-1 s here), not at the 30 s lease expiry."""
-    request = build_request(list(prompt_of(13, 1, 4000)), max_tokens=64, ignore_eos=True)
+    engine frees what it held within a few steps, not at the 30 s lease expiry."""
+    request = build_request(list(DEADLINE_PROMPT), max_tokens=64, ignore_eos=True)
     code = _code(door, lambda ch: _generate(ch, request, timeout_s=deadline_s))
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert_no_blocks_held(door.dep, timeout_s=5)
+    bound_s = 3 + 2 * long_prefill_s
+    assert bound_s < 20, f"a {long_prefill_s:.1f} s prefill leaves no room below the 30 s lease"
+    assert_no_blocks_held(door.dep, timeout_s=bound_s)
 
 
 def test_only_prefill_actor_killed_under_load_fails_no_request(door):
@@ -320,7 +333,7 @@ def _hostile_requests():
 
 
 def test_hostile_input_ends_in_a_final_message_or_a_defined_status(door):
-    """10,000 generated requests (100 batches of 100 at once) through the real TLS + token
+    """2,500 generated requests (25 batches of 100 at once) through the real TLS + token
     server: no crash, no INTERNAL/UNKNOWN, every call ends in a final message or a status
     that says what was wrong; the server serves normally afterwards."""
     from hypothesis import HealthCheck, given, settings
@@ -335,7 +348,7 @@ def test_hostile_input_ends_in_a_final_message_or_a_defined_status(door):
         except grpc.aio.AioRpcError as err:
             return err.code().name
 
-    @settings(max_examples=100, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(_hostile_requests())
     def batch(messages):
         outcomes = door.call(lambda ch: asyncio.gather(*(send(ch, m) for m in messages)))
@@ -344,7 +357,7 @@ def test_hostile_input_ends_in_a_final_message_or_a_defined_status(door):
         assert set(outcomes) <= defined | {"final"}, outcomes
 
     batch()
-    assert sum(seen.values()) == 10_000 and seen.get("final", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
+    assert sum(seen.values()) == 2_500 and seen.get("final", 0) > 0 and seen.get("INVALID_ARGUMENT", 0) > 0, seen
     tokens, _, _ = door.call(lambda ch: _generate(ch, _request()))
     assert len(tokens) == 8
     assert_no_blocks_held(door.dep)
