@@ -112,6 +112,8 @@ class RequestRecord:
     end_s: float  # from send: the final message or the error
     finish_reason: str
     error: str  # gRPC status name; "" when the stream ended normally
+    cached_tokens: int = 0  # prompt tokens the prefilling engine found in its prefix cache
+    moved_bytes: int = 0  # attention KV + DeltaNet state the handoff moved
 
     @property
     def completed(self) -> bool:
@@ -227,13 +229,14 @@ async def _send(
     request = build_request(prompt, f"{run_id}-{spec.index}", max_tokens=spec.output_tokens, ignore_eos=True)
     sent = time.perf_counter()
     times: list[float] = []
-    finish, error = "", ""
+    finish, error, final = "", "", None
     try:
         async for response in stream_generate(channel, request, max(deadline - sent, 1e-3), metadata):
             if response.HasField("chunk"):
                 times.extend([time.perf_counter() - sent] * len(response.chunk.token_ids))
             else:
-                finish = response.final.finish_reason
+                final = response.final
+                finish = final.finish_reason
     except grpc.aio.AioRpcError as err:
         error = err.code().name
     end = time.perf_counter() - sent
@@ -247,6 +250,8 @@ async def _send(
         end,
         finish,
         error,
+        final.usage.cached_tokens if final else 0,
+        final.timings.attention_kv_bytes + final.timings.deltanet_state_bytes if final else 0,
     )
 
 
@@ -257,12 +262,15 @@ async def run_workload(
     label: str,
     rate: float | None,
     metadata: tuple[tuple[str, str], ...] = (),
+    prompts: Sequence[list[int]] | None = None,
 ) -> RunReport:
     """`channel`: one connection, or several that requests take in turn (routers sharing a
-    port with SO_REUSEPORT are balanced per connection, so one connection reaches one)."""
+    port with SO_REUSEPORT are balanced per connection, so one connection reaches one).
+    `prompts`: one per spec (None: random ids, `prompt_ids`)."""
     channels = [channel] if isinstance(channel, grpc.aio.Channel) else list(channel)
     specs = specs[: config.num_requests]
-    prompts = [prompt_ids(s, config.seed) for s in specs]  # built before the clock starts
+    if prompts is None:  # built before the clock starts
+        prompts = [prompt_ids(s, config.seed) for s in specs]
     run_id = f"lg-{uuid.uuid4().hex[:8]}"
     started = time.perf_counter()
     deadline = started + config.time_limit_s

@@ -96,4 +96,4 @@ class DecodeWorker(EngineWorker):
         async for output in outputs:
             completion = output.outputs[0]
             check_loaded(request.request_id, completion.finish_reason, handle)
-            yield token_chunk(completion, completion.finish_reason)
+            yield token_chunk(completion, completion.finish_reason, output.num_cached_tokens)

@@ -103,7 +103,12 @@ class StateLayout:
         per_rank = sum(g.num_layers * g.bytes_per_block_per_layer for g in self.groups if g.kind is GroupKind.DELTANET)
         return per_rank * self.tensor_parallel_size
 
-    def capacity(self, max_model_len: int, max_num_seqs: int) -> "EngineCapacity":
+    @property
+    def block_size(self) -> int:
+        """Attention tokens per block (vLLM gives every attention group the same)."""
+        return next(g.block_size for g in self.groups if g.kind is GroupKind.ATTENTION)
+
+    def capacity(self, max_model_len: int, max_num_seqs: int, prefix_caching: bool) -> "EngineCapacity":
         """What this engine's pool holds (vLLM keeps one null block back)."""
         usable = max(0, self.num_blocks - 1)
         per_request = sum(
@@ -118,6 +123,8 @@ class StateLayout:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             tensor_parallel_size=self.tensor_parallel_size,
+            block_size=self.block_size,
+            prefix_caching=prefix_caching,
         )
 
     def bytes_for(self, block_ids: Sequence[Sequence[int]]) -> TransferBytes:
@@ -130,5 +137,3 @@ class StateLayout:
                 len(ids) * group.num_layers * group.bytes_per_block_per_layer * self.tensor_parallel_size
             )
         return TransferBytes(per_kind[GroupKind.ATTENTION], per_kind[GroupKind.DELTANET])
-
-

@@ -30,10 +30,25 @@ class EngineCapacity:
     max_num_seqs: int  # the engine's batch limit
     max_model_len: int
     tensor_parallel_size: int
+    block_size: int  # attention tokens per block, as vLLM picked it
+    prefix_caching: bool
+
+    @property
+    def reuse(self) -> str:
+        """The granularity at which a cached prefix is reused here."""
+        if not self.prefix_caching:
+            return "prefix caching off"
+        if self.deltanet_state_slots:  # vLLM's align mode: state checkpoints at block ends
+            return (
+                f"prefix caching on: whole {self.block_size}-token blocks, up to the last block end "
+                "where a DeltaNet state checkpoint was kept"
+            )
+        return f"prefix caching on: whole {self.block_size}-token blocks"
 
     def summary(self) -> str:
         return (
-            f"TP {self.tensor_parallel_size}, {self.kv_blocks:,} KV blocks (shared with DeltaNet state slots), "
-            f"{self.blocks_per_max_length_request} per {self.max_model_len:,}-token request: "
-            f"{self.max_concurrent_max_length_requests} concurrent max-length requests"
+            f"TP {self.tensor_parallel_size}, {self.kv_blocks:,} KV blocks of {self.block_size} tokens "
+            f"(shared with DeltaNet state slots), {self.blocks_per_max_length_request} per "
+            f"{self.max_model_len:,}-token request: {self.max_concurrent_max_length_requests} concurrent "
+            f"max-length requests; {self.reuse}"
         )

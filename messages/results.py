@@ -33,6 +33,9 @@ class TokenChunk(PicklesPositionally):
     produced_at: float = 0.0  # wall clock when the engine emitted it (engine-side latency)
     # The engine's text of each entry of `logprobs` (vLLM's decoded_token), in its order.
     logprob_texts: tuple[tuple[str | None, ...], ...] = ()
+    # Prompt tokens the leg's engine did not compute: its prefix-cache hits, plus (on a leg
+    # that pulled state) what it pulled. vLLM's num_cached_tokens.
+    cached_tokens: int = 0
 
     @classmethod
     def joined(cls, chunks: "list[TokenChunk]") -> "TokenChunk":
@@ -44,6 +47,7 @@ class TokenChunk(PicklesPositionally):
             logprobs=tuple(p for c in chunks for p in c.logprobs),
             produced_at=chunks[0].produced_at,
             logprob_texts=tuple(p for c in chunks for p in c.logprob_texts),
+            cached_tokens=chunks[0].cached_tokens,
         )
 
 
@@ -106,6 +110,7 @@ class PrefillResult:
     # decode computes it (kv_transfer/producer.py says when). Its finish_reason is set when
     # that token ends the request: then nothing is decoded and the handle is released.
     first: TokenChunk | None = None
+    cached_tokens: int = 0  # prompt tokens the prefill engine found in its prefix cache
 
     def decode_leg(self, request: GenerateRequest) -> GenerateRequest:
         """What decode runs on `handle`: the prompt, plus the first token if prefill sampled it."""
@@ -121,3 +126,5 @@ class GenerationResult:
     prefill_worker: str
     decode_worker: str
     migrations: int = 0
+    # Prompt tokens served from a prefix cache on the engine that prefilled the prompt.
+    cached_tokens: int = 0

@@ -35,5 +35,6 @@ class PrefillWorker(EngineWorker):
         first = None
         if leg.samples_first:
             completion = final.outputs[0]
-            first = token_chunk(completion, self._producer.first_finish_reason(request, completion.finish_reason))
-        return PrefillResult(handle, time.perf_counter() - started, first)
+            reason = self._producer.first_finish_reason(request, completion.finish_reason)
+            first = token_chunk(completion, reason, final.num_cached_tokens)
+        return PrefillResult(handle, time.perf_counter() - started, first, final.num_cached_tokens or 0)

@@ -70,7 +70,11 @@ def encode_final(request_id: str, result: GenerationResult) -> pb.GenerateRespon
         final=pb.Final(
             request_id=request_id,
             finish_reason=result.finish_reason,
-            usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens),
+            usage=pb.Usage(
+                prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens,
+                cached_tokens=result.cached_tokens,
+            ),
             timings=pb.Timings(
                 queue_s=t.queue_s,
                 prefill_s=t.prefill_s,

@@ -384,12 +384,13 @@ def _timings(result: GenerationResult) -> dict[str, Any]:
 
 
 def _usage(result: GenerationResult) -> Any:
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 
     return UsageInfo(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=result.completion_tokens,
         total_tokens=result.prompt_tokens + result.completion_tokens,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=result.cached_tokens),
     )
 
 

@@ -97,11 +97,16 @@ class _Progress:
     token_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     finish_reason: str = "abort"
+    # Of the first leg's prompt: the prefill engine's prefix-cache hits, or the decode
+    # engine's where it prefilled the prompt itself.
+    cached_tokens: int | None = None
 
     def add(self, chunk: TokenChunk) -> None:
         now = time.perf_counter()
         self.token_ids.extend(chunk.token_ids)
         self.token_times.extend([now] * len(chunk.token_ids))
+        if self.cached_tokens is None:
+            self.cached_tokens = chunk.cached_tokens
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
 
@@ -143,6 +148,8 @@ class Orchestrator:
             leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
             prefill_member, prefill = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
+            if prefill is not None and progress.cached_tokens is None:
+                progress.cached_tokens = prefill.cached_tokens
             handle = prefill.handle if prefill else None
             first = prefill.first if prefill else None  # sampled by prefill: out at once
             if first is not None and first.finish_reason is not None:  # and it was the last
@@ -189,6 +196,7 @@ class Orchestrator:
             prefill_worker=prefill_member.name if prefill_member else "",
             decode_worker=decode_member.name if decode_member else "",
             migrations=migrations,
+            cached_tokens=progress.cached_tokens or 0,
         )
         times = progress.token_times
         metrics.observe_request(result, [b - a for a, b in zip(times, times[1:])])

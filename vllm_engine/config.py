@@ -77,9 +77,9 @@ class EngineConfig:
     enforce_eager: bool | None = knob(
         None, help="no compiled model (unset: eager on CPU, torch.compile + CUDA graphs on GPU)"
     )
-    enable_prefix_caching: bool | None = knob(
-        None, help="vLLM's automatic prefix caching (unset: off on CPU, vLLM's default on GPU)"
-    )
+    # Hybrids: vLLM then keeps recurrent-state checkpoints at block boundaries
+    # (mamba_cache_mode "align"), so a prefix is reusable up to its last whole block.
+    enable_prefix_caching: bool = knob(True, help="vLLM's automatic prefix caching, in both pools")
     engine_path: EnginePath = knob(
         "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"
     )
@@ -160,9 +160,7 @@ class EngineConfig:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             enforce_eager=(not gpu) if self.enforce_eager is None else self.enforce_eager,
-            enable_prefix_caching=(None if gpu else False)
-            if self.enable_prefix_caching is None
-            else self.enable_prefix_caching,
+            enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             kv_transfer_config=kv_transfer_config,
             **{**self.extra_engine_args, **overrides},

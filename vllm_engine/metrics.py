@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import Counter
+from vllm.v1.metrics.loggers import StatLoggerBase
 
 # CPU time of the thread that runs the engine's steps (scheduling, forward, output
 # processing). Beside the process's CPU it shows what serving costs outside the engine.
 # Only the in-process engine path counts it: AsyncLLM steps in a process of its own.
 ENGINE_STEP_CPU = Counter("pdserve_engine_step_cpu_seconds_total", "CPU seconds spent in engine steps")
+
+# A pool's prefix-cache hit rate is local_cache_hit over the sum (PromQL by pool's targets).
+PROMPT_TOKENS = Counter(
+    "pdserve_prompt_tokens_total",
+    "Prompt tokens by where the engine got them: computed, its prefix cache, or pulled from a producer",
+    ["source"],
+)
+
+
+class PromptTokenStatLogger(StatLoggerBase):
+    """Counts the prompt-token breakdown vLLM hands its stat loggers each step."""
+
+    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+        pass
+
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
+        stats = getattr(iteration_stats, "prompt_token_stats", None)
+        if stats is None:
+            return
+        for source, count in (
+            ("computed", stats.computed),
+            ("local_cache_hit", stats.local_cache_hit),
+            ("pulled", stats.external_kv_transfer),
+        ):
+            if count:
+                PROMPT_TOKENS.labels(source).inc(count)
+
+    def log_engine_initialized(self) -> None:
+        pass

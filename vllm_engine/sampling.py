@@ -56,10 +56,13 @@ def as_invalid_request(exc: Exception) -> Exception:
     return exc
 
 
-def token_chunk(completion: "CompletionOutput", finish_reason: str | None) -> TokenChunk:
-    """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now."""
+def token_chunk(completion: "CompletionOutput", finish_reason: str | None, cached_tokens: int | None) -> TokenChunk:
+    """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now;
+    `cached_tokens` is the output's num_cached_tokens."""
     logprobs, texts = _top_logprobs(completion.logprobs)
-    return TokenChunk(tuple(completion.token_ids), completion.text, finish_reason, logprobs, time.time(), texts)
+    return TokenChunk(
+        tuple(completion.token_ids), completion.text, finish_reason, logprobs, time.time(), texts, cached_tokens or 0
+    )
 
 
 def _top_logprobs(logprobs) -> tuple[tuple, tuple]:  # noqa: ANN001

@@ -226,6 +226,7 @@ class SizingInputs:
     mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
     prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
+    prefix_caching: bool = True  # vLLM's automatic prefix caching (hybrids: align mode)
 
     def __post_init__(self) -> None:
         if self.mamba_ssm_dtype is None:  # resolved once, so every figure and label uses the same
@@ -471,6 +472,7 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         )
     )
     rows.append(("blocks per rank", f"{plan.num_blocks:,} (one is vLLM's null block)"))
+    rows.append(("prefix reuse", _reuse(plan)))
     rows.append((f"blocks per {i.max_model_len:,}-token request", f"{plan.blocks_for(i.max_model_len):,}"))
     for n in dict.fromkeys((i.max_model_len, plan.context)):  # once when they are equal
         rows.append(
@@ -493,6 +495,20 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
     return "\n".join([header, *(f"  {label:<{width}}  {value}" for label, value in rows)])
 
 
+def _reuse(plan: EnginePlan) -> str:
+    """How much of a cached prefix an engine reuses."""
+    if not plan.inputs.prefix_caching:
+        return "off (--no-enable-prefix-caching)"
+    if plan.shape.is_hybrid:
+        # vLLM's align mode keeps a state only where a prefill chunk ended on a block
+        # boundary: the last whole block of each prompt computed here, and chunk ends.
+        return (
+            f"whole {plan.block_size:,}-token blocks, up to the last block end that holds a DeltaNet "
+            "state checkpoint (kept where a prompt's last whole block ended)"
+        )
+    return f"whole {plan.block_size:,}-token blocks"
+
+
 def plan_for(config: "EngineConfig", shape: ModelShape, **inputs: Any) -> EnginePlan:
     """The plan of an engine pdserve is about to start with this configuration; `inputs` are
     the SizingInputs an engine configuration does not hold (GPU memory, request lengths)."""
@@ -506,6 +522,7 @@ def plan_for(config: "EngineConfig", shape: ModelShape, **inputs: Any) -> Engine
             kv_cache_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             dtype=config.dtype,
+            prefix_caching=config.enable_prefix_caching,
             **inputs,
         ),
     )

@@ -19,6 +19,7 @@ from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, exit_for_restart, start_engine
+from vllm_engine.metrics import PromptTokenStatLogger
 
 
 class EngineWorker:
@@ -46,7 +47,7 @@ class EngineWorker:
             if self.connector_role is not Role.DECODE:
                 raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
             self.engine_id = f"colocated-{name}"
-            self._engine = start_engine(engine_config, on_fatal=on_fatal)
+            self._engine = start_engine(engine_config, on_fatal=on_fatal, stat_loggers=[PromptTokenStatLogger])
             self._producer = self._consumer = None
         else:
             connector = Connector.for_worker(self.connector_role, name, transfer, host)
@@ -56,7 +57,7 @@ class EngineWorker:
                 connector.kv_transfer_config(),
                 connector.process_env(),
                 on_fatal,
-                connector.stat_loggers(),
+                [PromptTokenStatLogger, *connector.stat_loggers()],
             )
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
@@ -83,7 +84,7 @@ class EngineWorker:
     async def capacity(self) -> EngineCapacity:
         """KV blocks, DeltaNet state slots and max-length requests this engine holds."""
         layout = await self._engine.state_layout()
-        return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs)
+        return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching)
 
     def engine_path(self) -> str:
         return self._config.path

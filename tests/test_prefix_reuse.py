@@ -1,0 +1,225 @@
+"""Prefix caching through P/D on the embedded hybrid (vLLM's align mode): 1P+1D with caching on
+in both pools against a colocated engine with no cache at all, token for token, and what each
+engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved).
+
+Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
+DeltaNet state is bf16): a hybrid prefix is reusable up to the last block end where a state
+checkpoint was kept, which vLLM does where a prompt's last whole block ends (prefill) and at
+each block end a request crosses while decoding."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+
+import httpx
+import pytest
+import ray
+from conftest import assert_no_blocks_held, run
+from prometheus_client.parser import text_string_to_metric_families
+from reference import MAX_TOKENS, MIN_COMPARED, NEAR_TIE_NATS, Reference, assert_matches, collect, reference_run
+
+from kv_transfer.connector_config import TransferConfig
+from messages.requests import GenerateRequest, SamplingConfig
+
+TURNS = 4
+QUESTION = 60  # tokens a conversation's user adds per turn
+SCAN_TOKENS = 2150  # of the lesson, read to find where its continuations are decisive
+SCAN_RUN = 160  # tokens per greedy run of that scan
+
+
+@functools.cache
+def _lesson() -> tuple[int, ...]:
+    """The corpus's second document: the model reproduces it, so most continuations are decisive."""
+    from vllm_engine.embedded_model import ensure_embedded_model
+    from vllm_engine.embedded_model.texts import EOS_ID, token_stream
+
+    stream = token_stream(ensure_embedded_model())
+    start = stream.index(EOS_ID) + 1
+    return tuple(stream[start : stream.index(EOS_ID, start)])
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    offset: int  # where in the lesson its prompt starts
+    length: int
+
+    def request(self, request_id: str, logprobs: int | None = None, max_tokens: int = MAX_TOKENS) -> GenerateRequest:
+        sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+        return GenerateRequest(request_id, _lesson()[self.offset : self.offset + self.length], sampling)
+
+
+@pytest.fixture(scope="module")
+def colocated(ray_cluster, engine_config):
+    """A colocated engine with prefix caching off: the reference."""
+    from decode_worker.actor import DecodeActor
+
+    config = dataclasses.replace(engine_config, enable_prefix_caching=False).with_cores("1")
+    actor = DecodeActor.remote("colocated-uncached", config, None)
+    yield actor
+    ray.kill(actor, no_restart=True)
+
+
+@pytest.fixture(scope="module")
+def block(colocated) -> int:
+    return ray.get(colocated.state_layout.remote()).block_size
+
+
+@pytest.fixture(scope="module")
+def cases(colocated, block) -> dict[str, Case]:
+    """Each group at the first offset where every case's continuation is decisive for
+    MIN_COMPARED tokens. The model is trained on each machine and reproduces 99% of its
+    corpus, so where the lesson's continuations are clear is read here: greedy runs along
+    it, each restarted past the token where the model's choice left the lesson."""
+    lesson = _lesson()
+    clear: list[bool] = [False] * 32
+    while len(clear) < SCAN_TOKENS:
+        scan = run(reference_run(colocated, Case(0, len(clear)).request("scan", logprobs=2, max_tokens=SCAN_RUN)))
+        follows = next((i for i, (a, b) in enumerate(zip(scan.tokens, lesson[len(clear) :])) if a != b), SCAN_RUN)
+        clear += [m >= NEAR_TIE_NATS for m in scan.margins[:follows]] + [False]  # the departure
+
+    def decisive(start: int) -> bool:  # start: lesson index of the first continuation token
+        return all(clear[start : start + MIN_COMPARED]) and start + MIN_COMPARED <= len(clear)
+
+    def first(offset: int, lengths: range) -> int | None:
+        return next((n for n in lengths if decisive(offset + n)), None)
+
+    def document(offset: int) -> dict[str, int] | None:
+        """Prefill keeps a state checkpoint at 2 blocks of the document (2 blocks + 40); the
+        others share it: the document and more, a prefix ending inside its third block, and
+        one token past the second (the hit leaves one token to compute)."""
+        one_past = 2 * block + 1
+        inside = first(offset, range(2 * block + 5, 2 * block + 40))
+        longer = first(offset, range(2 * block + 41, 2 * block + 200))
+        if not decisive(offset + one_past) or inside is None or longer is None:
+            return None
+        return {"document": 2 * block + 40, "one_past": one_past, "inside": inside, "longer": longer}
+
+    def conversation(offset: int) -> dict[str, int] | None:
+        """Each turn's prompt is the last one, its 80-token answer and a 20-120-token question;
+        the first is under a block and its answer crosses the block end, so only decode can
+        hold turn 1's first block."""
+        turns = [first(offset, range(block - MAX_TOKENS + 1, block - 20))]
+        while turns[-1] is not None and len(turns) < TURNS:
+            turns.append(first(offset, range(turns[-1] + MAX_TOKENS + 20, turns[-1] + MAX_TOKENS + 121)))
+        if None in turns:
+            return None
+        return {f"turn{i + 1}": n for i, n in enumerate(turns)}
+
+    chosen: dict[str, Case] = {}
+    taken = 0
+    for group in (document, conversation):
+        found = next(((o, g) for o in range(taken, len(clear)) if (g := group(o)) is not None), None)
+        assert found, f"no offset past {taken} of the lesson where every {group.__name__} case is decisive"
+        offset, lengths = found
+        chosen.update({name: Case(offset, n) for name, n in lengths.items()})
+        taken = offset + max(lengths.values()) + MAX_TOKENS  # the next group shares nothing with it
+    return chosen
+
+
+@pytest.fixture(scope="module")
+def uncached(colocated, cases) -> dict[str, Reference]:
+    return {
+        name: run(reference_run(colocated, case.request(f"ref-{name}", logprobs=2))) for name, case in cases.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def deployment(ray_cluster, engine_config, uncached):
+    from controller.deployment import Deployment, DeploymentConfig
+
+    dep = Deployment(DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30)))
+    orchestrator = run(dep.start())
+    yield dep, orchestrator
+    dep.shutdown()
+
+
+def _generate(orchestrator, name: str, case: Case):
+    async def go():
+        return await asyncio.wait_for(collect(orchestrator.generate(case.request(f"pd-{name}"))), 120)
+
+    return run(go())
+
+
+def _samples(member, metric: str) -> dict[tuple[tuple[str, str], ...], float]:
+    """One worker's current values of `metric` (its own Prometheus endpoint), by labels."""
+    address = ray.get(member.actor.metrics_address.remote())
+    text = httpx.get(f"http://{address}/metrics", timeout=10).text
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == metric
+    }
+
+
+def _prompt_tokens(member) -> dict[str, float]:
+    return {dict(k)["source"]: v for k, v in _samples(member, "pdserve_prompt_tokens_total").items()}
+
+
+def _nixl_bytes(member) -> float:
+    return sum(_samples(member, "pdserve_nixl_transfer_bytes_sum").values())
+
+
+def test_caching_is_on_in_both_pools_and_says_how_it_reuses(deployment, block):
+    dep, _ = deployment
+    for name, capacity in dep.capacities.items():
+        assert capacity.prefix_caching and capacity.block_size == block, name
+        assert f"whole {block}-token blocks" in capacity.summary() and "DeltaNet" in capacity.summary()
+
+
+def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, cases, block):
+    """The document, then the document with more: prefill computes only past its 2 cached
+    blocks (the shared prefix ends inside the third); decode has no state checkpoint there
+    (it decoded past no block end), so it pulls every block."""
+    dep, orchestrator = deployment
+    prefill = dep.prefill.members[0]
+    _, first = _generate(orchestrator, "document", cases["document"])
+    assert first.cached_tokens == 0
+    before = _prompt_tokens(prefill)
+    tokens, result = _generate(orchestrator, "longer", cases["longer"])
+    assert_matches(tokens, uncached["longer"])
+    assert result.cached_tokens == 2 * block
+    after = _prompt_tokens(prefill)
+    assert after["local_cache_hit"] - before.get("local_cache_hit", 0) == 2 * block
+    assert after["computed"] - before["computed"] == cases["longer"].length - 2 * block
+    assert_no_blocks_held(dep)
+
+
+@pytest.mark.parametrize("name", ["inside", "one_past"])
+def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached, cases, block, name):
+    """A prefix of the cached document that ends inside its third block, or one token past
+    the second: 2 blocks reused, the rest (down to one token) computed."""
+    dep, orchestrator = deployment
+    _generate(orchestrator, "document-again", cases["document"])  # whichever test runs alone
+    tokens, result = _generate(orchestrator, name, cases[name])
+    assert_matches(tokens, uncached[name])
+    assert result.cached_tokens == 2 * block
+    assert_no_blocks_held(dep)
+
+
+def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, cases, block):
+    """Four turns of one conversation: decode crossed a block end while answering, so the next
+    turn finds that prefix in decode's own cache and NIXL moves only the rest; every turn
+    equals the colocated engine without cache."""
+    dep, orchestrator = deployment
+    decode = dep.decode.members[0]
+    hits = 0
+    for turn in range(1, TURNS + 1):
+        name = f"turn{turn}"
+        cached_before, bytes_before = _prompt_tokens(decode), _nixl_bytes(decode)
+        tokens, result = _generate(orchestrator, name, cases[name])
+        assert_matches(tokens, uncached[name])
+        local_hit = _prompt_tokens(decode).get("local_cache_hit", 0) - cached_before.get("local_cache_hit", 0)
+        pulled = _nixl_bytes(decode) - bytes_before
+        handle = result.timings.transfer_bytes
+        full = handle.attention_kv + handle.deltanet_state
+        if local_hit:
+            hits += 1
+            assert turn > 1 and local_hit % block == 0
+            assert 0 < pulled < full, (turn, pulled, full)
+        else:
+            assert pulled == pytest.approx(full, rel=0.05), (turn, pulled, full)
+    assert hits >= TURNS - 1, "decode found no earlier turn in its cache"
+    assert_no_blocks_held(dep)
