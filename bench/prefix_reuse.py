@@ -1,17 +1,19 @@
-"""Prefix reuse on RAG traffic: pdserve with vLLM's prefix caching on, against the same build
-with it off, side by side in one run on the same cores.
+"""Prefix reuse on RAG traffic: pdserve routing by where prefixes are cached, against the same
+build routing blind to them and with prefix caching off, side by side in one run on the same
+cores.
 
 The trace (seeded, the same for every system): `--documents` documents of `--document-tokens`
 random token ids, drawn per request by Zipf popularity (`--zipf`), each followed by a fresh
 `--question-tokens` question; `--output-tokens` out; Poisson arrivals at each `--rate`. One
-system is up at a time (an idle engine still costs CPU here), each as `pdserve serve` runs it:
-1 prefill + 1 decode engine behind the gRPC front.
+system is up at a time (an idle engine still costs CPU here), each as `pdserve serve` runs it
+behind the gRPC front: 2 prefill + 1 decode engines asking the prefill engines what they hold
+(`--cache-aware`, the default) or not, and 1 prefill + 1 decode with caching off.
 
 Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, the share of
 prompt tokens served from a prefix cache (the server's own count, per request), bytes the
-handoff moved per request; then each rate's TTFT p50 ratio, caching on / off (issue target:
-<= 0.4 once routing knows where prefixes live; one prefill engine needs no routing). Plotted:
-TTFT CDFs and goodput per rate beside the JSON.
+handoff moved per request; then each rate's TTFT p50 ratios, cache-aware / cache-blind (issue
+target <= 0.4) and cache-aware / caching off. Plotted: TTFT CDFs and goodput per rate beside
+the JSON.
 
     python -m bench.prefix_reuse [--rate 1 2] [--num-requests 40]
 """
@@ -43,6 +45,7 @@ from cluster.ray_cluster import start_local
 from controller.deployment import DeploymentConfig
 from controller.local_stack import LocalStack
 from planner.trace import RequestSpec
+from router.orchestrator import RouterPolicy
 from router.security import ClientCredentials
 from vllm_engine.config import EngineConfig, resolve_model
 
@@ -115,19 +118,39 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
+def _ratio(a: RunReport, b: RunReport) -> float:
+    return (a.summary.ttft_s.p50 or 0.0) / (b.summary.ttft_s.p50 or float("inf"))
+
+
 def _fmt(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.0f}"
 
 
-SYSTEMS = {"prefix caching on": True, "prefix caching off": False}
+@dataclass(frozen=True, slots=True)
+class System:
+    label: str
+    prefill: int
+    caching: bool
+    cache_aware: bool
+
+    def deployment(self, model: str) -> DeploymentConfig:
+        engine = EngineConfig(model=model, enable_prefix_caching=self.caching)
+        policy = RouterPolicy(cache_aware=self.cache_aware)
+        return DeploymentConfig(engine=engine, num_prefill=self.prefill, policy=policy)
+
+
+SYSTEMS = (
+    System("2P+1D cache-aware", 2, caching=True, cache_aware=True),
+    System("2P+1D cache-blind", 2, caching=True, cache_aware=False),
+    System("1P+1D caching off", 1, caching=False, cache_aware=False),
+)
 
 
 async def run_system(
-    model: str, caching: bool, trace: RagTrace, rates: list[float], args: argparse.Namespace
+    model: str, system: System, trace: RagTrace, rates: list[float], args: argparse.Namespace
 ) -> list[RunReport]:
     config = load_config(args)
-    engine = EngineConfig(model=model, enable_prefix_caching=caching)
-    async with LocalStack(DeploymentConfig(engine=engine), text_prompts=False) as stack:
+    async with LocalStack(system.deployment(model), text_prompts=False) as stack:
         async with ClientCredentials().channel(stack.server.address) as channel:
             specs, _ = trace.requests(1.0, config.num_requests)
             await check_fits(channel, specs)
@@ -135,7 +158,7 @@ async def run_system(
             reports = []
             for rate in rates:
                 specs, prompts = trace.requests(rate, config.num_requests)
-                label = f"{'on' if caching else 'off'} {rate:g} req/s"
+                label = f"{system.label} {rate:g} req/s"
                 reports.append(await run_workload(channel, specs, config, label, rate, prompts=prompts))
                 print(format_row(reports[-1]), file=sys.stderr, flush=True)
             return reports
@@ -159,26 +182,26 @@ def main(argv: list[str] | None = None) -> int:
     start_local()
     model = resolve_model(args.model)
     series: dict[str, list[RunReport]] = {}
-    for name, caching in SYSTEMS.items():
-        print(f"== {name}", file=sys.stderr, flush=True)
-        series[name] = asyncio.run(run_system(model, caching, trace, args.rate, args))
+    for system in SYSTEMS:
+        print(f"== {system.label}", file=sys.stderr, flush=True)
+        series[system.label] = asyncio.run(run_system(model, system, trace, args.rate, args))
     rows = [Row.of(name, report) for name, reports in series.items() for report in reports]
     write_json(args.out, {"trace": asdict(trace), "rows": [asdict(r) for r in rows]})
     plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
     plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))
     print(
         f"RAG: {trace.documents} documents of {trace.document_tokens} tokens (Zipf {trace.zipf}), "
-        f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out; 1P+1D"
+        f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out"
     )
     for row in rows:
         print(row.line())
-    on, off = series["prefix caching on"], series["prefix caching off"]
-    for a, b in zip(on, off):
-        if a.summary.ttft_s.p50 and b.summary.ttft_s.p50:
-            print(
-                f"{a.rate:g} req/s: TTFT p50 on / off {a.summary.ttft_s.p50 / b.summary.ttft_s.p50:.2f}x, "
-                f"goodput on / off {a.summary.goodput_rps / max(b.summary.goodput_rps, 1e-9):.2f}x"
-            )
+    aware, blind, off = (series[system.label] for system in SYSTEMS)
+    for a, b, c in zip(aware, blind, off):
+        print(
+            f"{a.rate:g} req/s: TTFT p50 cache-aware / cache-blind {_ratio(a, b):.2f}x, / caching off "
+            f"{_ratio(a, c):.2f}x; goodput cache-aware / cache-blind "
+            f"{a.summary.goodput_rps / max(b.summary.goodput_rps, 1e-9):.2f}x"
+        )
     print(f"results: {args.out}")
     return 0
 

@@ -15,13 +15,14 @@ mirror copies them (`Pool.mirror`). A request's share of a member's load is coun
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import random
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 from messages.errors import NoWorkerError
 from messages.membership import Lifecycle, MemberState
@@ -164,11 +165,13 @@ class RouteDecision:
     requests: int  # its estimated requests, every router's (decode's first key)
     prompt_tokens: int  # this router's outstanding prompt tokens on it (prefill's key)
     free_blocks: int | None  # from its last load report
+    cached_tokens: int | None = None  # of this prompt, in its prefix cache (prefill, when asked)
 
     def __str__(self) -> str:
+        cached = "" if self.cached_tokens is None else f", {self.cached_tokens} of the prompt cached"
         return (
             f"{self.pool} pick {self.member.name} ({self.reason} of {self.live}): {self.requests} requests, "
-            f"{self.prompt_tokens} prompt tokens, {self.free_blocks} free blocks"
+            f"{self.prompt_tokens} prompt tokens, {self.free_blocks} free blocks{cached}"
         )
 
 
@@ -184,9 +187,19 @@ class Pool:
     # engines do not all pick the first one.
     _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
 
-    def pick_prefill(self) -> RouteDecision:
-        """Least outstanding prompt tokens: prefill time is proportional to them."""
-        return self._pick(lambda m: (m.outstanding_prompt_tokens,))
+    def pick_prefill(self, prompt_tokens: int = 0, cached: Mapping[str, int] | None = None) -> RouteDecision:
+        """Least prefill work: the prompt tokens it must compute (those not in its prefix
+        cache, where `cached` says, by member name) plus those already queued on it; prefill
+        time is proportional to them."""
+        cached = cached or {}
+
+        def work(m: Member) -> tuple[int, ...]:
+            return (prompt_tokens - cached.get(m.name, 0) + m.outstanding_prompt_tokens,)
+
+        decision = self._pick(work)
+        if not cached:
+            return decision
+        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, 0))
 
     def pick_decode(self) -> RouteDecision:
         """Fewest requests (from all routers), then most free KV/state capacity."""

@@ -74,6 +74,16 @@ LOCAL_PREFILL_FALLBACKS = Counter(
 )
 ROUTES = Counter("pdserve_route_picks_total", "Engines picked for a leg, by pool and why", ["pool", "reason"])
 FAILOVERS = Counter("pdserve_decode_failovers_total", "Streams whose decode actor died, by what was done", ["action"])
+PROMPT_TOKENS = Counter("pdserve_request_prompt_tokens_total", "Prompt tokens of finished requests")
+CACHED_TOKENS = Counter(
+    "pdserve_request_cached_tokens_total", "Prompt tokens of finished requests served from a prefix cache"
+)
+PREDICTED_CACHED_TOKENS = Counter(
+    "pdserve_predicted_cached_tokens_total", "Prompt tokens the picked prefill engine said it held, when asked"
+)
+CACHE_QUERY_MISSES = Counter(
+    "pdserve_cache_query_misses_total", "Prefix-cache questions to a prefill engine unanswered in time"
+)
 
 _A = ["role", "actor"]
 RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor's engine", _A)
@@ -109,6 +119,8 @@ def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (o
     TRANSFER_BYTES.labels("deltanet_state").inc(t.transfer_bytes.deltanet_state)
     REQUESTS.labels(result.finish_reason).inc()
     MIGRATIONS.inc(result.migrations)
+    PROMPT_TOKENS.inc(result.prompt_tokens)
+    CACHED_TOKENS.inc(result.cached_tokens)
 
 
 def observe_pool(pool: Pool) -> None:

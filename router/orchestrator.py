@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Literal
+from typing import AsyncIterator, Literal, Mapping
 
 import ray
 from ray.exceptions import RayActorError
@@ -54,6 +54,12 @@ class RouterPolicy:
     prefill_timeout_s: float = knob(300.0, help="longest wait for a prefill leg")
     stall_timeout_s: float = knob(120.0, help="longest gap between two decode chunks before the leg counts as failed")
     release_timeout_s: float = knob(5.0, help="longest wait for a producer to free a request's blocks")
+    cache_aware: bool = knob(
+        True,
+        help="with several prefill engines, ask each how much of the prompt its prefix cache holds "
+        "and pick the least prefill work (uncached + queued prompt tokens)",
+    )
+    cache_query_timeout_s: float = knob(0.05, help="longest wait for the engines' prefix-cache answers")
 
     def __post_init__(self) -> None:
         if self.on_decode_failure not in ("migrate", "fail"):
@@ -67,7 +73,7 @@ class RouterPolicy:
                 f"local_prefill_below {self.local_prefill_below}: at least 3 "
                 "(a hybrid's 1-token prefill hangs vLLM's CPU engine)"
             )
-        for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s"):
+        for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s", "cache_query_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
 
@@ -213,15 +219,17 @@ class Orchestrator:
             return Failover("fail", f"it migrated {migrations} times, max_migrations is {limit}", migrations)
         return Failover("migrate", f"migration {migrations + 1} of at most {limit}", migrations)
 
-    def plan_prefill(self, request: GenerateRequest) -> PrefillPlan:
+    def plan_prefill(self, request: GenerateRequest, cached: Mapping[str, int] | None = None) -> PrefillPlan:
         """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill engine
-        under policy "local") leave the prompt to the decode engine. No I/O."""
+        under policy "local") leave the prompt to the decode engine. `cached`: the prompt
+        tokens each prefill engine holds, by name (`cached_prefixes`). No I/O."""
         if self.colocated:
             return PrefillPlan(None, "colocated")
-        if len(request.prompt_token_ids) < self.policy.local_prefill_below:
+        prompt = len(request.prompt_token_ids)
+        if prompt < self.policy.local_prefill_below:
             return PrefillPlan(None, "short prompt")
         try:
-            return PrefillPlan(self.prefill.pick_prefill(), "prefill pool")
+            return PrefillPlan(self.prefill.pick_prefill(prompt, cached), "prefill pool")
         except NoWorkerError:
             if self.policy.on_prefill_unavailable == "fail":
                 raise
@@ -279,11 +287,29 @@ class Orchestrator:
             feed = self._feeds[member.name] = DecodeFeed(member.name, member.actor, self.policy.stall_timeout_s)
         return feed
 
+    async def cached_prefixes(self, request: GenerateRequest) -> dict[str, int]:
+        """How much of the prompt each live prefill engine's prefix cache holds, asked when
+        there is a choice to make (an engine that answers late or not at all counts 0)."""
+        live = self.prefill.live
+        if not self.policy.cache_aware or len(live) < 2:
+            return {}
+        prompt = list(request.prompt_token_ids)
+        asks = {m.name: asyncio.ensure_future(_resolve(m.actor.cached_prefix.remote(prompt))) for m in live}
+        await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
+        answers = {}
+        for name, ask in asks.items():
+            if ask.done() and not ask.cancelled() and ask.exception() is None:
+                answers[name] = ask.result()
+            else:
+                ask.cancel()
+                metrics.CACHE_QUERY_MISSES.inc()
+        return answers
+
     async def _prefill_or_local(self, request: GenerateRequest) -> tuple[Member | None, PrefillResult | None]:
         """Prefill where `plan_prefill` says; a prefill actor that dies meanwhile is marked
         and the leg planned again."""
         while True:
-            plan = self.plan_prefill(request)
+            plan = self.plan_prefill(request, await self.cached_prefixes(request))
             if plan.route is None:
                 log.debug("%s: prefill on the decode engine (%s)", request.request_id, plan.reason)
                 if plan.reason == "no live prefill engine":
@@ -342,6 +368,8 @@ class Orchestrator:
 
 def _routed(request_id: str, route: RouteDecision) -> None:
     metrics.ROUTES.labels(route.pool, route.reason).inc()
+    if route.cached_tokens is not None:
+        metrics.PREDICTED_CACHED_TOKENS.inc(route.cached_tokens)
     log.debug("%s: %s", request_id, route)
 
 
@@ -365,5 +393,5 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
     )
 
 
-async def _resolve(ref) -> PrefillResult:  # noqa: ANN001 (a Ray ObjectRef)
+async def _resolve(ref):  # noqa: ANN001, ANN202 (a Ray ObjectRef, and what it holds)
     return await ref

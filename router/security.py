@@ -156,8 +156,9 @@ class ClientCredentials:
     )
 
     @classmethod
-    def from_env(cls, ca: str | None = None, cert: str | None = None, key: str | None = None,
-                 token_file: str | None = None) -> "ClientCredentials":
+    def from_env(
+        cls, ca: str | None = None, cert: str | None = None, key: str | None = None, token_file: str | None = None
+    ) -> "ClientCredentials":
         token = Path(token_file).read_text().strip() if token_file else os.environ.get(CLIENT_TOKEN_ENV) or None
         return cls(ca, cert, key, token)
 

@@ -20,12 +20,23 @@ from router.orchestrator import Orchestrator, RouterPolicy
 REQUEST = GenerateRequest("r-1", tuple(range(1, 17)), SamplingConfig(max_tokens=2))
 
 
+class _Nothing:
+    """`actor.cached_prefix.remote(prompt)`: holds none of it."""
+
+    def remote(self, prompt: list[int]):  # noqa: ANN201
+        async def call() -> int:
+            return 0
+
+        return call()
+
+
 class _Prefill:
     """`actor.prefill.remote(request)`: answers `outcome` (an exception is raised), or hangs."""
 
     def __init__(self, outcome) -> None:  # noqa: ANN001
         self.outcome = outcome
         self.prefill = self
+        self.cached_prefix = _Nothing()
         self.calls = 0
 
     def remote(self, request: GenerateRequest):  # noqa: ANN201

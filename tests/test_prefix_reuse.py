@@ -1,6 +1,7 @@
-"""Prefix caching through P/D on the embedded hybrid (vLLM's align mode): 1P+1D with caching on
-in both pools against a colocated engine with no cache at all, token for token, and what each
-engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved).
+"""Prefix caching through P/D on the embedded hybrid (vLLM's align mode): 2P+1D with caching on
+in both pools against a colocated engine with no cache at all, token for token; what each
+engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved) and where
+the router sent each prompt (the prefill engine that said it holds the prefix).
 
 Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
 DeltaNet state is bf16): a hybrid prefix is reusable up to the last block end where a state
@@ -129,7 +130,8 @@ def uncached(colocated, cases) -> dict[str, Reference]:
 def deployment(ray_cluster, engine_config, uncached):
     from controller.deployment import Deployment, DeploymentConfig
 
-    dep = Deployment(DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30)))
+    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30), num_prefill=2)
+    dep = Deployment(config)
     orchestrator = run(dep.start())
     yield dep, orchestrator
     dep.shutdown()
@@ -169,19 +171,33 @@ def test_caching_is_on_in_both_pools_and_says_how_it_reuses(deployment, block):
         assert f"whole {block}-token blocks" in capacity.summary() and "DeltaNet" in capacity.summary()
 
 
+def _member(dep, name: str):
+    return next(m for m in dep.prefill.members if m.name == name)
+
+
+def _predicted() -> float:
+    """Prompt tokens the routers' picked prefill engines said they held (this process's router)."""
+    from router import metrics
+
+    return metrics.PREDICTED_CACHED_TOKENS._value.get()
+
+
 def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, cases, block):
-    """The document, then the document with more: prefill computes only past its 2 cached
-    blocks (the shared prefix ends inside the third); decode has no state checkpoint there
-    (it decoded past no block end), so it pulls every block."""
+    """The document, then the document with more, with two prefill engines: the router asks
+    both what they hold and sends it to the one with the document, which computes only past
+    its 2 cached blocks (the shared prefix ends inside the third) and had said so. Decode has
+    no state checkpoint there (it decoded past no block end), so it pulls every block."""
     dep, orchestrator = deployment
-    prefill = dep.prefill.members[0]
     _, first = _generate(orchestrator, "document", cases["document"])
     assert first.cached_tokens == 0
-    before = _prompt_tokens(prefill)
+    holder = _member(dep, first.prefill_worker)
+    assert ray.get(holder.actor.prefix_index_blocks.remote()) > 0
+    before, predicted = _prompt_tokens(holder), _predicted()
     tokens, result = _generate(orchestrator, "longer", cases["longer"])
     assert_matches(tokens, uncached["longer"])
-    assert result.cached_tokens == 2 * block
-    after = _prompt_tokens(prefill)
+    assert result.prefill_worker == holder.name and result.cached_tokens == 2 * block
+    assert _predicted() - predicted == 2 * block  # what the engine's index said, from vLLM's events
+    after = _prompt_tokens(holder)
     assert after["local_cache_hit"] - before.get("local_cache_hit", 0) == 2 * block
     assert after["computed"] - before["computed"] == cases["longer"].length - 2 * block
     assert_no_blocks_held(dep)
@@ -192,10 +208,12 @@ def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached
     """A prefix of the cached document that ends inside its third block, or one token past
     the second: 2 blocks reused, the rest (down to one token) computed."""
     dep, orchestrator = deployment
-    _generate(orchestrator, "document-again", cases["document"])  # whichever test runs alone
+    _, holder = _generate(orchestrator, "document-again", cases["document"])  # whichever test runs alone
+    predicted = _predicted()
     tokens, result = _generate(orchestrator, name, cases[name])
     assert_matches(tokens, uncached[name])
-    assert result.cached_tokens == 2 * block
+    assert result.prefill_worker == holder.prefill_worker and result.cached_tokens == 2 * block
+    assert _predicted() - predicted == 2 * block
     assert_no_blocks_held(dep)
 
 

@@ -79,11 +79,14 @@ class AsyncEngine:
         env: dict[str, str] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         stat_loggers: list[Any] | None = None,
+        kv_events_config: Any = None,
     ) -> "AsyncEngine":
         prepare_process(config, env)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = config.engine_args(kv_transfer_config, worker_extension_cls=f"{__name__}.LayoutReporter")
+        args = config.engine_args(
+            kv_transfer_config, kv_events_config, worker_extension_cls=f"{__name__}.LayoutReporter"
+        )
         stats = _LatestSchedulerStats()
         llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *(stat_loggers or [])])
         return cls(llm, stats, on_fatal)

@@ -141,7 +141,9 @@ class EngineConfig:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         return env
 
-    def engine_args(self, kv_transfer_config: Any = None, **overrides: Any) -> "EngineArgs":
+    def engine_args(
+        self, kv_transfer_config: Any = None, kv_events_config: Any = None, **overrides: Any
+    ) -> "EngineArgs":
         from vllm.engine.arg_utils import EngineArgs
 
         model = resolve_model(self.model)
@@ -163,6 +165,7 @@ class EngineConfig:
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
             kv_transfer_config=kv_transfer_config,
+            kv_events_config=kv_events_config,
             **{**self.extra_engine_args, **overrides},
         )
 

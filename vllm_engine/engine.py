@@ -61,15 +61,17 @@ def start_engine(
     env: dict[str, str] | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
     stat_loggers: list[Any] | None = None,
+    kv_events_config: Any = None,
 ) -> Engine:
-    """Build the engine on the path its device gets (`EngineConfig.path`)."""
+    """Build the engine on the path its device gets (`EngineConfig.path`); `kv_events_config`:
+    where it publishes its KV cache events (vllm_engine.prefix_index)."""
     if config.path == "async":
         from vllm_engine.async_engine import AsyncEngine
 
-        return AsyncEngine.start(config, kv_transfer_config, env, on_fatal, stat_loggers)
+        return AsyncEngine.start(config, kv_transfer_config, env, on_fatal, stat_loggers, kv_events_config)
     from vllm_engine.loop import EngineLoop
 
-    return EngineLoop.start(config, kv_transfer_config, env, on_fatal, stat_loggers)
+    return EngineLoop.start(config, kv_transfer_config, env, on_fatal, stat_loggers, kv_events_config)
 
 
 def exit_for_restart(exc: BaseException) -> None:

@@ -90,12 +90,15 @@ class EngineLoop:
         env: dict[str, str] | None = None,
         on_fatal: Callable[[BaseException], None] | None = None,
         stat_loggers: list[Any] | None = None,
+        kv_events_config: Any = None,
     ) -> "EngineLoop":
         """Build the engine in this process (TP ranks, if any, are processes vLLM spawns)."""
         prepare_process(config, env)
         from vllm.v1.engine.llm_engine import LLMEngine
 
-        engine = LLMEngine.from_engine_args(config.engine_args(kv_transfer_config), stat_loggers=stat_loggers)
+        engine = LLMEngine.from_engine_args(
+            config.engine_args(kv_transfer_config, kv_events_config), stat_loggers=stat_loggers
+        )
         if config.cpu_cores is not None and config.device == "cpu":
             # The loop thread starts from here: Python threads share the engine's cores (with
             # TP > 1 this process only schedules; the ranks run the forward on their own).

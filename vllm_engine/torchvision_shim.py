@@ -40,7 +40,5 @@ class _BeforeTorchvisionImport(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    if "torchvision" not in sys.modules and not any(
-        isinstance(f, _BeforeTorchvisionImport) for f in sys.meta_path
-    ):
+    if "torchvision" not in sys.modules and not any(isinstance(f, _BeforeTorchvisionImport) for f in sys.meta_path):
         sys.meta_path.insert(0, _BeforeTorchvisionImport())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable, ClassVar
+from typing import Any, Callable, ClassVar, Sequence
 
 import ray
 
@@ -20,6 +20,7 @@ from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, exit_for_restart, start_engine
 from vllm_engine.metrics import PromptTokenStatLogger
+from vllm_engine.prefix_index import EventSockets, EventSubscriber, PrefixIndex, block_hashes
 
 
 class EngineWorker:
@@ -43,11 +44,16 @@ class EngineWorker:
         node address, where its NIXL side channel listens."""
         self.name = name
         self._config = engine_config
+        # Its KV cache events feed the prefix index routers ask (vllm_engine.prefix_index).
+        self._events = EventSockets.private() if engine_config.enable_prefix_caching else None
+        events_config = self._events.kv_events_config() if self._events else None
         if transfer is None:
             if self.connector_role is not Role.DECODE:
                 raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
             self.engine_id = f"colocated-{name}"
-            self._engine = start_engine(engine_config, on_fatal=on_fatal, stat_loggers=[PromptTokenStatLogger])
+            self._engine = start_engine(
+                engine_config, on_fatal=on_fatal, stat_loggers=[PromptTokenStatLogger], kv_events_config=events_config
+            )
             self._producer = self._consumer = None
         else:
             connector = Connector.for_worker(self.connector_role, name, transfer, host)
@@ -58,9 +64,14 @@ class EngineWorker:
                 connector.process_env(),
                 on_fatal,
                 [PromptTokenStatLogger, *connector.stat_loggers()],
+                events_config,
             )
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
+        self._prefix_index: PrefixIndex | None = None
+        if self._events is not None:
+            self._prefix_index = PrefixIndex()
+            self._subscriber = EventSubscriber(self._events, self._prefix_index)
 
     def ready(self) -> str:
         return self.engine_id
@@ -86,6 +97,18 @@ class EngineWorker:
         layout = await self._engine.state_layout()
         return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching)
 
+    async def cached_prefix(self, prompt_token_ids: Sequence[int]) -> int:
+        """Prompt tokens this engine would take from its prefix cache now (0 with caching off)."""
+        if self._prefix_index is None:
+            return 0
+        layout = await self._engine.state_layout()
+        hashes = block_hashes(prompt_token_ids, layout.block_size)
+        return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout)
+
+    def prefix_index_blocks(self) -> int:
+        """Block hashes the prefix index holds, every KV-cache group counted."""
+        return len(self._prefix_index) if self._prefix_index is not None else 0
+
     def engine_path(self) -> str:
         return self._config.path
 
@@ -99,6 +122,9 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+        if self._events is not None:
+            self._subscriber.stop()
+            self._events.remove()
 
 
 class InRayActor(EngineWorker):

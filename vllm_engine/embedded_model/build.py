@@ -52,9 +52,7 @@ class EmbeddedModelSpec:
     training: TrainingRecipe = field(default_factory=TrainingRecipe)
 
     def fingerprint(self) -> str:
-        blob = json.dumps(
-            {"spec": dataclasses.asdict(self), "recipe": RECIPE_VERSION}, sort_keys=True
-        ).encode()
+        blob = json.dumps({"spec": dataclasses.asdict(self), "recipe": RECIPE_VERSION}, sort_keys=True).encode()
         return hashlib.sha256(blob + corpus_bytes()).hexdigest()[:16]
 
 
@@ -63,9 +61,7 @@ def default_cache_dir() -> Path:
     return Path(root) / "models"
 
 
-def ensure_embedded_model(
-    spec: EmbeddedModelSpec = EmbeddedModelSpec(), cache_dir: Path | None = None
-) -> Path:
+def ensure_embedded_model(spec: EmbeddedModelSpec = EmbeddedModelSpec(), cache_dir: Path | None = None) -> Path:
     """Return the model directory for `spec`, building it first if it is missing.
 
     Safe to call from many processes at once: a file lock serialises the build and the

@@ -84,9 +84,7 @@ def _train(
 
     generator = torch.Generator().manual_seed(seed)
     ring = torch.tensor(stream + stream[: recipe.seq_len], dtype=torch.long)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.0
-    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, recipe))
     model.train()
     started = time.monotonic()

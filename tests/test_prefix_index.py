@@ -1,0 +1,87 @@
+"""The prefix index's hybrid rule on vLLM's own event types, and the prefill pick that reads
+it (fast: no engine). The index against a real engine's events and hashes, and the router's
+pick through it, run in tests/test_prefix_reuse.py."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+from cluster.pools import Member, Pool
+from kv_transfer.layout import CacheGroup, GroupKind, StateLayout
+from vllm_engine.prefix_index import PrefixIndex
+
+BLOCK = 4
+# vLLM's group order for the embedded hybrid: three DeltaNet groups, then attention.
+LAYOUT = StateLayout(
+    (
+        CacheGroup(GroupKind.DELTANET, 2, 100, 0),
+        CacheGroup(GroupKind.DELTANET, 2, 100, 0),
+        CacheGroup(GroupKind.DELTANET, 2, 100, 0),
+        CacheGroup(GroupKind.ATTENTION, 2, 64, BLOCK),
+    ),
+    num_blocks=64,
+)
+HASHES = [101, 102, 103, 104]  # a 4-block prompt's block hashes, as vLLM's events carry them
+
+
+def _stored(hashes: list[int], group: int) -> BlockStored:
+    return BlockStored(hashes, None, [], BLOCK, None, None, None, group_idx=group)
+
+
+def _index(attention: list[int], states: list[int]) -> PrefixIndex:
+    index = PrefixIndex()
+    index.apply([_stored(attention, 3), *(_stored(states, g) for g in range(3))])
+    return index
+
+
+def test_a_hit_ends_at_the_last_block_end_with_every_state():
+    # Attention holds 3 blocks; a DeltaNet checkpoint exists only after block 2.
+    assert _index(HASHES[:3], [HASHES[1]]).cached_tokens(HASHES, 17, LAYOUT) == 2 * BLOCK
+
+
+def test_a_checkpoint_beyond_the_attention_blocks_is_no_hit():
+    assert _index(HASHES[:1], [HASHES[2]]).cached_tokens(HASHES, 17, LAYOUT) == 0
+
+
+def test_a_checkpoint_missing_in_one_state_group_is_no_hit():
+    index = _index(HASHES, [])
+    index.apply([_stored([HASHES[3]], 0), _stored([HASHES[3]], 1)])  # not group 2
+    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0
+
+
+def test_the_prompts_last_token_is_always_computed():
+    # A 16-token prompt (4 whole blocks, all cached) reuses 3 blocks, as vLLM's scheduler does.
+    assert _index(HASHES, HASHES).cached_tokens(HASHES, 16, LAYOUT) == 3 * BLOCK
+
+
+def test_removals_and_clears_take_blocks_out():
+    index = _index(HASHES, HASHES)
+    index.apply([BlockRemoved([HASHES[1]], None, group_idx=3)])  # an attention block evicted
+    assert index.cached_tokens(HASHES, 17, LAYOUT) == BLOCK
+    index.apply([AllBlocksCleared()])
+    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0 and len(index) == 0
+
+
+def _member(name: str) -> Member:
+    member = Member(name, None)
+    member.mark_live()
+    return member
+
+
+def test_prefill_goes_where_the_least_work_is_left():
+    pool = Pool("prefill", [_member("p0"), _member("p1")])
+    cached = {"p0": 0, "p1": 1500}
+
+    async def picks() -> list[str]:
+        async with pool.in_flight(pool.members[1], prompt_tokens=300):
+            # p1 holds 1,500 of a 2,000-token prompt with 300 queued: 800 tokens of work, not 2,000.
+            first = pool.pick_prefill(2000, cached)
+            assert first.cached_tokens == 1500
+            async with pool.in_flight(pool.members[1], prompt_tokens=1500):  # now 2,300 behind the hit
+                second = pool.pick_prefill(2000, cached)
+        return [first.member.name, second.member.name]
+
+    assert asyncio.run(picks()) == ["p1", "p0"]
+    assert pool.pick_prefill(2000).cached_tokens is None  # nobody was asked
