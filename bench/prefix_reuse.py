@@ -42,6 +42,7 @@ from bench.loadgen import (
     write_json,
 )
 from cluster.ray_cluster import start_local
+from configuration.parsers import parse_bytes
 from controller.deployment import DeploymentConfig
 from controller.local_stack import LocalStack
 from planner.trace import RequestSpec
@@ -133,8 +134,8 @@ class System:
     caching: bool
     cache_aware: bool
 
-    def deployment(self, model: str) -> DeploymentConfig:
-        engine = EngineConfig(model=model, enable_prefix_caching=self.caching)
+    def deployment(self, model: str, kv_cache_bytes: int | None) -> DeploymentConfig:
+        engine = EngineConfig(model=model, enable_prefix_caching=self.caching, kv_cache_bytes=kv_cache_bytes)
         policy = RouterPolicy(cache_aware=self.cache_aware)
         return DeploymentConfig(engine=engine, num_prefill=self.prefill, policy=policy)
 
@@ -150,7 +151,7 @@ async def run_system(
     model: str, system: System, trace: RagTrace, rates: list[float], args: argparse.Namespace
 ) -> list[RunReport]:
     config = load_config(args)
-    async with LocalStack(system.deployment(model), text_prompts=False) as stack:
+    async with LocalStack(system.deployment(model, args.kv_cache_bytes), text_prompts=False) as stack:
         async with ClientCredentials().channel(stack.server.address) as channel:
             specs, _ = trace.requests(1.0, config.num_requests)
             await check_fits(channel, specs)
@@ -174,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--question-tokens", type=int, default=defaults.question_tokens)
     parser.add_argument("--output-tokens", type=int, default=defaults.output_tokens)
     parser.add_argument("--zipf", type=float, default=defaults.zipf)
+    parser.add_argument(
+        "--kv-cache-bytes",
+        type=parse_bytes,
+        default=None,
+        help="per engine, e.g. 48MiB: below the documents' size, routing decides which engine keeps which",
+    )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
     trace = RagTrace(

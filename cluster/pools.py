@@ -201,9 +201,22 @@ class Pool:
             return decision
         return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, 0))
 
-    def pick_decode(self) -> RouteDecision:
-        """Fewest requests (from all routers), then most free KV/state capacity."""
-        return self._pick(lambda m: (m.estimated_requests, -(m.load.free_blocks if m.load else 0)))
+    def pick_decode(self, cached: Mapping[str, int] | None = None, slack: int = 1) -> RouteDecision:
+        """Fewest requests (from all routers), then most free KV/state capacity. With
+        `cached` (the prompt tokens each holds, by name): the one holding the most among
+        those within `slack` requests of the fewest, since a decode step costs little more
+        per extra stream while a hit moves and computes less (a conversation's next turn)."""
+        if not cached:
+            return self._pick(lambda m: (m.estimated_requests, -(m.load.free_blocks if m.load else 0)))
+        fewest = min((m.estimated_requests for m in self.live), default=0)
+
+        def key(m: Member) -> tuple[int, ...]:
+            near = m.estimated_requests <= fewest + slack
+            hit = cached.get(m.name, 0) if near else 0
+            return (0 if near else 1, -hit, m.estimated_requests, -(m.load.free_blocks if m.load else 0))
+
+        decision = self._pick(key)
+        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, 0))
 
     def _pick(self, load_key: Callable[[Member], tuple[int, ...]]) -> RouteDecision:
         """The live member of least `load_key`; ties rotate. No I/O: it reads what is known."""

@@ -56,16 +56,21 @@ class RouterPolicy:
     release_timeout_s: float = knob(5.0, help="longest wait for a producer to free a request's blocks")
     cache_aware: bool = knob(
         True,
-        help="with several prefill engines, ask each how much of the prompt its prefix cache holds "
-        "and pick the least prefill work (uncached + queued prompt tokens)",
+        help="with several engines in a pool, ask each how much of the prompt its prefix cache holds: "
+        "prefill picks the least work (uncached + queued prompt tokens), decode the most held",
     )
     cache_query_timeout_s: float = knob(0.05, help="longest wait for the engines' prefix-cache answers")
+    decode_cache_slack: int = knob(
+        1, help="a decode engine holding more of the prompt wins if it runs at most this many more requests"
+    )
 
     def __post_init__(self) -> None:
         if self.on_decode_failure not in ("migrate", "fail"):
             raise ValueError(f"on_decode_failure {self.on_decode_failure!r}: use 'migrate' or 'fail'")
         if self.on_prefill_unavailable not in ("local", "fail"):
             raise ValueError(f"on_prefill_unavailable {self.on_prefill_unavailable!r}: use 'local' or 'fail'")
+        if self.decode_cache_slack < 0:
+            raise ValueError(f"decode_cache_slack must be >= 0, got {self.decode_cache_slack}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.local_prefill_below < 3:
@@ -168,7 +173,8 @@ class Orchestrator:
             if first is not None:
                 leg = prefill.decode_leg(leg)
             try:
-                route = self.decode.pick_decode()
+                cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
+                route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
             except NoWorkerError:
                 if handle is not None:
                     self._release_soon(handle)
@@ -287,14 +293,17 @@ class Orchestrator:
             feed = self._feeds[member.name] = DecodeFeed(member.name, member.actor, self.policy.stall_timeout_s)
         return feed
 
-    async def cached_prefixes(self, request: GenerateRequest) -> dict[str, int]:
-        """How much of the prompt each live prefill engine's prefix cache holds, asked when
-        there is a choice to make (an engine that answers late or not at all counts 0)."""
-        live = self.prefill.live
+    async def cached_prefixes(self, pool: Pool, request: GenerateRequest, state_pulled: bool = False) -> dict[str, int]:
+        """How much of the prompt each live engine of `pool` holds in its prefix cache, asked
+        when there is a choice to make (an engine that answers late or not at all counts 0);
+        `state_pulled`: for decode legs that pull the prompt's state."""
+        live = pool.live
         if not self.policy.cache_aware or len(live) < 2:
             return {}
         prompt = list(request.prompt_token_ids)
-        asks = {m.name: asyncio.ensure_future(_resolve(m.actor.cached_prefix.remote(prompt))) for m in live}
+        asks = {
+            m.name: asyncio.ensure_future(_resolve(m.actor.cached_prefix.remote(prompt, state_pulled))) for m in live
+        }
         await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
         answers = {}
         for name, ask in asks.items():
@@ -309,7 +318,7 @@ class Orchestrator:
         """Prefill where `plan_prefill` says; a prefill actor that dies meanwhile is marked
         and the leg planned again."""
         while True:
-            plan = self.plan_prefill(request, await self.cached_prefixes(request))
+            plan = self.plan_prefill(request, await self.cached_prefixes(self.prefill, request))
             if plan.route is None:
                 log.debug("%s: prefill on the decode engine (%s)", request.request_id, plan.reason)
                 if plan.reason == "no live prefill engine":
@@ -368,7 +377,7 @@ class Orchestrator:
 
 def _routed(request_id: str, route: RouteDecision) -> None:
     metrics.ROUTES.labels(route.pool, route.reason).inc()
-    if route.cached_tokens is not None:
+    if route.cached_tokens is not None and route.pool == "prefill":
         metrics.PREDICTED_CACHED_TOKENS.inc(route.cached_tokens)
     log.debug("%s: %s", request_id, route)
 

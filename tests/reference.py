@@ -139,5 +139,3 @@ async def reference_run(actor, request) -> Reference:
         tokens.extend(chunk.token_ids)
         margins.extend(top[0][1] - top[1][1] for top in chunk.logprobs)
     return Reference(tokens, margins)
-
-

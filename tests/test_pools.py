@@ -194,8 +194,10 @@ def test_routers_picking_alone_unbalance_the_pool_and_load_reports_even_it():
     stays within 2."""
     alone = [_route(None, seed, routers=8, requests=32) for seed in range(100)]
     reported = [_route(2, seed, routers=8, requests=32) for seed in range(100)]
-    print(f"spread of requests over 4 actors: routers alone mean {sum(alone) / 100:.2f} max {max(alone)}; "
-          f"with load reports mean {sum(reported) / 100:.2f} max {max(reported)}")
+    print(
+        f"spread of requests over 4 actors: routers alone mean {sum(alone) / 100:.2f} max {max(alone)}; "
+        f"with load reports mean {sum(reported) / 100:.2f} max {max(reported)}"
+    )
     assert max(alone) >= 5 and sum(alone) / 100 > 2
     assert max(reported) <= 2 and sum(reported) / 100 < sum(alone) / 100 / 2
 

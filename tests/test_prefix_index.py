@@ -85,3 +85,25 @@ def test_prefill_goes_where_the_least_work_is_left():
 
     assert asyncio.run(picks()) == ["p1", "p0"]
     assert pool.pick_prefill(2000).cached_tokens is None  # nobody was asked
+
+
+def test_decode_goes_to_the_engine_holding_the_conversation_unless_it_is_busier():
+    pool = Pool("decode", [_member("d0"), _member("d1")])
+    cached = {"d0": 0, "d1": 512}
+
+    async def picks() -> list[str]:
+        names = [pool.pick_decode(cached, slack=1).member.name]  # both idle: the hit wins
+        async with pool.in_flight(pool.members[1]):
+            names.append(pool.pick_decode(cached, slack=1).member.name)  # one more request: still it
+            async with pool.in_flight(pool.members[1]):
+                names.append(pool.pick_decode(cached, slack=1).member.name)  # two more: the idle one
+        return names
+
+    assert asyncio.run(picks()) == ["d1", "d1", "d0"]
+    assert pool.pick_decode().cached_tokens is None
+
+
+def test_a_decode_leg_that_pulls_its_state_needs_the_attention_blocks_alone():
+    index = _index(HASHES[:3], [])  # no DeltaNet checkpoint anywhere
+    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0
+    assert index.cached_tokens(HASHES, 17, LAYOUT, state_pulled=True) == 3 * BLOCK

@@ -130,7 +130,7 @@ def uncached(colocated, cases) -> dict[str, Reference]:
 def deployment(ray_cluster, engine_config, uncached):
     from controller.deployment import Deployment, DeploymentConfig
 
-    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30), num_prefill=2)
+    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30), num_prefill=2, num_decode=2)
     dep = Deployment(config)
     orchestrator = run(dep.start())
     yield dep, orchestrator
@@ -172,7 +172,7 @@ def test_caching_is_on_in_both_pools_and_says_how_it_reuses(deployment, block):
 
 
 def _member(dep, name: str):
-    return next(m for m in dep.prefill.members if m.name == name)
+    return next(m for m in dep.prefill.members + dep.decode.members if m.name == name)
 
 
 def _predicted() -> float:
@@ -218,16 +218,21 @@ def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached
 
 
 def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, cases, block):
-    """Four turns of one conversation: decode crossed a block end while answering, so the next
-    turn finds that prefix in decode's own cache and NIXL moves only the rest; every turn
-    equals the colocated engine without cache."""
+    """Four turns of one conversation, two decode engines: decode crossed a block end while
+    answering, so the router sends the next turn to that engine, which finds the prefix in its
+    own cache, and NIXL moves only the rest; every turn equals the colocated engine without
+    cache."""
     dep, orchestrator = deployment
-    decode = dep.decode.members[0]
-    hits = 0
+    decode, hits = None, 0
     for turn in range(1, TURNS + 1):
         name = f"turn{turn}"
-        cached_before, bytes_before = _prompt_tokens(decode), _nixl_bytes(decode)
+        engines = [decode] if decode else dep.decode.members
+        cached_before = {m.name: _prompt_tokens(m) for m in engines}
+        bytes_before = {m.name: _nixl_bytes(m) for m in engines}
         tokens, result = _generate(orchestrator, name, cases[name])
+        decode = decode or _member(dep, result.decode_worker)
+        assert result.decode_worker == decode.name, f"turn {turn} left the engine holding the conversation"
+        cached_before, bytes_before = cached_before[decode.name], bytes_before[decode.name]
         assert_matches(tokens, uncached[name])
         local_hit = _prompt_tokens(decode).get("local_cache_hit", 0) - cached_before.get("local_cache_hit", 0)
         pulled = _nixl_bytes(decode) - bytes_before

@@ -11,7 +11,8 @@ index starts again empty (it under-predicts until blocks are stored again, never
 A hybrid's hit needs every group: the attention blocks of each whole block up to the hit,
 and a DeltaNet state checkpoint at its end (vLLM keeps those only at some block ends, align
 mode). `cached_tokens` applies that rule as vLLM's scheduler does, including its cap: the
-prompt's last token is always computed.
+prompt's last token is always computed. A decode leg that pulls its state needs the attention
+blocks alone: the producer's final state replaces any checkpoint.
 """
 
 from __future__ import annotations
@@ -98,9 +99,12 @@ class PrefixIndex:
         with self._lock:
             self._blocks.clear()
 
-    def cached_tokens(self, block_hashes: Sequence[BlockKey], prompt_tokens: int, layout: StateLayout) -> int:
+    def cached_tokens(
+        self, block_hashes: Sequence[BlockKey], prompt_tokens: int, layout: StateLayout, state_pulled: bool = False
+    ) -> int:
         """Prompt tokens the engine of `layout` would reuse for a prompt whose full blocks have
-        these hashes."""
+        these hashes. `state_pulled`: a decode leg that pulls the prompt's final state from a
+        producer needs only the attention blocks (vLLM's NixlConnector reads the rest)."""
         block_size = layout.block_size
         usable = min(len(block_hashes), (prompt_tokens - 1) // block_size)
         with self._lock:
@@ -110,6 +114,8 @@ class PrefixIndex:
             run = 0
             while run < usable and all(block_hashes[run] in blocks for blocks in attention):
                 run += 1
+            if state_pulled:
+                return run * block_size
             for hit in range(run, 0, -1):  # the last block end that holds every state
                 if all(block_hashes[hit - 1] in blocks for blocks in states):
                     return hit * block_size

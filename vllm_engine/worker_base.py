@@ -97,13 +97,14 @@ class EngineWorker:
         layout = await self._engine.state_layout()
         return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching)
 
-    async def cached_prefix(self, prompt_token_ids: Sequence[int]) -> int:
-        """Prompt tokens this engine would take from its prefix cache now (0 with caching off)."""
+    async def cached_prefix(self, prompt_token_ids: Sequence[int], state_pulled: bool = False) -> int:
+        """Prompt tokens this engine would take from its prefix cache now (0 with caching off);
+        `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.cached_tokens)."""
         if self._prefix_index is None:
             return 0
         layout = await self._engine.state_layout()
         hashes = block_hashes(prompt_token_ids, layout.block_size)
-        return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout)
+        return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout, state_pulled)
 
     def prefix_index_blocks(self) -> int:
         """Block hashes the prefix index holds, every KV-cache group counted."""
