@@ -113,7 +113,7 @@ class RequestRecord:
     finish_reason: str
     error: str  # gRPC status name; "" when the stream ended normally
     cached_tokens: int = 0  # prompt tokens the prefilling engine found in its prefix cache
-    moved_bytes: int = 0  # attention KV + DeltaNet state the handoff moved
+    handle_bytes: int = 0  # attention KV + DeltaNet state the prefill engine offered decode
 
     @property
     def completed(self) -> bool:

@@ -10,10 +10,11 @@ behind the gRPC front: 2 prefill + 1 decode engines asking the prefill engines w
 (`--cache-aware`, the default) or not, and 1 prefill + 1 decode with caching off.
 
 Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, the share of
-prompt tokens served from a prefix cache (the server's own count, per request), bytes the
-handoff moved per request; then each rate's TTFT p50 ratios, cache-aware / cache-blind (issue
-target <= 0.4) and cache-aware / caching off. Plotted: TTFT CDFs and goodput per rate beside
-the JSON.
+prompt tokens served from a prefix cache (the server's own count, per request), the bytes the
+prefill engine's handle offered per request (decode pulls that less its own hits, which
+pdserve_nixl_transfer_bytes on the decode engine counts); then each rate's TTFT p50 ratios,
+cache-aware / cache-blind (issue target <= 0.4) and cache-aware / caching off. Plotted: TTFT
+CDFs and goodput per rate beside the JSON.
 
     python -m bench.prefix_reuse [--rate 1 2] [--num-requests 40]
 """
@@ -87,7 +88,7 @@ class Row:
     goodput_rps: float
     slo_attainment: float
     cached_share: float  # cached prompt tokens / prompt tokens, completed requests
-    moved_bytes_per_request: float
+    handle_bytes_per_request: float
 
     @classmethod
     def of(cls, system: str, report: RunReport) -> "Row":
@@ -103,7 +104,7 @@ class Row:
             goodput_rps=s.goodput_rps,
             slo_attainment=s.slo_attainment,
             cached_share=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-            moved_bytes_per_request=sum(r.moved_bytes for r in done) / len(done) if done else 0.0,
+            handle_bytes_per_request=sum(r.handle_bytes for r in done) / len(done) if done else 0.0,
         )
 
     def line(self) -> str:
@@ -111,7 +112,7 @@ class Row:
             f"{self.system:<22} {self.rate:>5g} req/s"
             f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
             f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
-            f" | cached {self.cached_share:.0%} | moved {self.moved_bytes_per_request / 2**20:.2f} MiB/request"
+            f" | cached {self.cached_share:.0%} | handle {self.handle_bytes_per_request / 2**20:.2f} MiB/request"
         )
 
 

@@ -20,7 +20,7 @@ from messages.requests import GenerateRequest
 from messages.results import FeedAddress, TokenChunk
 from messages.transfer import TransferHandle
 from vllm_engine.config import EngineConfig
-from vllm_engine.sampling import sampling_params, token_chunk
+from vllm_engine.sampling import engine_prompt, sampling_params, token_chunk
 from vllm_engine.worker_base import EngineWorker
 
 if TYPE_CHECKING:
@@ -90,7 +90,7 @@ class DecodeWorker(EngineWorker):
     async def _stream(
         self, request: GenerateRequest, handle: TransferHandle | None, params: SamplingParams
     ) -> AsyncIterator[TokenChunk]:
-        outputs = self._engine.generate(request.request_id, list(request.prompt_token_ids), params)
+        outputs = self._engine.generate(request.request_id, engine_prompt(request), params)
         if handle is not None:
             outputs = self._consumer.pulled(handle, outputs)
         async for output in outputs:

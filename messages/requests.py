@@ -18,6 +18,7 @@ MAX_LOGPROBS = 20
 # Per-step work a request adds to the batch it runs in: biased ids, banned words.
 MAX_LOGIT_BIAS = 1024
 MAX_BAD_WORDS = MAX_STOP_STRINGS
+MAX_CACHE_SALT_CHARS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,9 +135,16 @@ class GenerateRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # vLLM's cache_salt: prompts with different salts never share prefix-cache blocks
+    # (tenants that must not learn from each other's timing); both legs carry it.
+    cache_salt: str = ""
 
     def validate(self, limits: ModelLimits) -> None:
         n = len(self.prompt_token_ids)
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequestError(
+                "cache_salt", f"{len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS}"
+            )
         if n == 0:
             raise InvalidRequestError("prompt", "is empty: give prompt text or at least one token id")
         if n < limits.min_prompt_tokens:

@@ -14,7 +14,7 @@ from kv_transfer.connector_config import Role
 from kv_transfer.producer import TransferProducer
 from messages.requests import GenerateRequest
 from messages.results import PrefillResult
-from vllm_engine.sampling import sampling_params, token_chunk
+from vllm_engine.sampling import engine_prompt, sampling_params, token_chunk
 from vllm_engine.worker_base import EngineWorker
 
 
@@ -28,7 +28,7 @@ class PrefillWorker(EngineWorker):
         leg = self._producer.leg(request)
         params = sampling_params(request.sampling, **leg.overrides)
         final = None
-        async for output in self._engine.generate(request.request_id, list(request.prompt_token_ids), params):
+        async for output in self._engine.generate(request.request_id, engine_prompt(request), params):
             final = output
         connector_params = self._producer.held_params(request.request_id, final)
         handle = self._producer.grant(connector_params, await self._engine.state_layout())

@@ -48,7 +48,7 @@ async def decode_request(
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs or None,  # proto3: 0 is unset
     )
-    return GenerateRequest(message.request_id or f"req-{uuid.uuid4().hex}", prompt, sampling)
+    return GenerateRequest(message.request_id or f"req-{uuid.uuid4().hex}", prompt, sampling, message.cache_salt)
 
 
 def encode_chunk(chunk: TokenChunk) -> pb.GenerateResponse:

@@ -158,7 +158,7 @@ TABLE: tuple[Placement, ...] = (
     _honoured("request_id", "the response's id (cmpl-<request_id>); engines run each leg under an id of their own"),
     _refused("session_id", "pdserve routes by engine load, not by session", None),
     _refused("priority", "engines schedule first come, first served", 0),
-    _refused("cache_salt", "not implemented: prefix caches are not salted per request", None),
+    _honoured("cache_salt", "both legs' engines key the prefix cache by it: different salts share no blocks"),
     _refused("kv_transfer_params", "the router owns every KV transfer", None, {}),
     _refused("ec_transfer_params", "no encoder cache transfer", None, {}),
     _refused("vllm_xargs", "no custom extensions", None, {}),
@@ -180,6 +180,7 @@ GRPC_TABLE: tuple[Placement, ...] = tuple(
         ("sampling.stop_token_ids", "checked by each engine on every token it samples"),
         ("sampling.ignore_eos", "applies on both legs"),
         ("sampling.logprobs", "top alternatives per token, the first token's from prefill"),
+        ("cache_salt", "both legs' engines key the prefix cache by it: different salts share no blocks"),
     )
 )
 

@@ -268,7 +268,9 @@ class OpenAIFront:
     # --- response --------------------------------------------------------------------------
 
     async def _respond(self, http: Request, body: Any, prompt: tuple[int, ...], shape: "_Shape") -> Any:
-        request = GenerateRequest(f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape, len(prompt)))
+        request = GenerateRequest(
+            f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape, len(prompt)), body.cache_salt or ""
+        )
         try:
             request.validate(self._orchestrator.limits)
         except InvalidRequestError as err:  # the one validation both fronts share, in this body's names

@@ -302,7 +302,10 @@ class Orchestrator:
             return {}
         prompt = list(request.prompt_token_ids)
         asks = {
-            m.name: asyncio.ensure_future(_resolve(m.actor.cached_prefix.remote(prompt, state_pulled))) for m in live
+            m.name: asyncio.ensure_future(
+                _resolve(m.actor.cached_prefix.remote(prompt, state_pulled, request.cache_salt))
+            )
+            for m in live
         }
         await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
         answers = {}

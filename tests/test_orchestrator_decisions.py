@@ -23,7 +23,7 @@ REQUEST = GenerateRequest("r-1", tuple(range(1, 17)), SamplingConfig(max_tokens=
 class _Nothing:
     """`actor.cached_prefix.remote(prompt)`: holds none of it."""
 
-    def remote(self, prompt: list[int], state_pulled: bool = False):  # noqa: ANN201
+    def remote(self, prompt: list[int], state_pulled: bool = False, cache_salt: str = ""):  # noqa: ANN201
         async def call() -> int:
             return 0
 

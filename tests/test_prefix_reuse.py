@@ -46,9 +46,12 @@ class Case:
     offset: int  # where in the lesson its prompt starts
     length: int
 
-    def request(self, request_id: str, logprobs: int | None = None, max_tokens: int = MAX_TOKENS) -> GenerateRequest:
+    def request(
+        self, request_id: str, logprobs: int | None = None, max_tokens: int = MAX_TOKENS, cache_salt: str = ""
+    ) -> GenerateRequest:
         sampling = SamplingConfig(max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
-        return GenerateRequest(request_id, _lesson()[self.offset : self.offset + self.length], sampling)
+        prompt = _lesson()[self.offset : self.offset + self.length]
+        return GenerateRequest(request_id, prompt, sampling, cache_salt)
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +140,10 @@ def deployment(ray_cluster, engine_config, uncached):
     dep.shutdown()
 
 
-def _generate(orchestrator, name: str, case: Case):
+def _generate(orchestrator, name: str, case: Case, cache_salt: str = ""):
     async def go():
-        return await asyncio.wait_for(collect(orchestrator.generate(case.request(f"pd-{name}"))), 120)
+        request = case.request(f"pd-{name}", cache_salt=cache_salt)
+        return await asyncio.wait_for(collect(orchestrator.generate(request)), 120)
 
     return run(go())
 
@@ -192,6 +196,8 @@ def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, case
     assert first.cached_tokens == 0
     holder = _member(dep, first.prefill_worker)
     assert ray.get(holder.actor.prefix_index_blocks.remote()) > 0
+    assert sum(_samples(holder, "pdserve_prefix_index_blocks").values()) > 0
+    assert sum(_samples(holder, "pdserve_kv_event_lag_seconds_count").values()) > 0  # batches applied
     before, predicted = _prompt_tokens(holder), _predicted()
     tokens, result = _generate(orchestrator, "longer", cases["longer"])
     assert_matches(tokens, uncached["longer"])
@@ -245,4 +251,20 @@ def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, case
         else:
             assert pulled == pytest.approx(full, rel=0.05), (turn, pulled, full)
     assert hits >= TURNS - 1, "decode found no earlier turn in its cache"
+    assert_no_blocks_held(dep)
+
+
+def test_a_salted_prompt_shares_no_blocks_with_other_salts(deployment, uncached, cases, block):
+    """vLLM's cache_salt through P/D: the cached document under another tenant's salt is a
+    miss (and the router knows it), the same salt again a hit; the output is the same."""
+    dep, orchestrator = deployment
+    _generate(orchestrator, "document-unsalted", cases["document"])
+    predicted = _predicted()
+    tokens, first = _generate(orchestrator, "salted", cases["longer"], cache_salt="tenant-b")
+    assert_matches(tokens, uncached["longer"])
+    assert first.cached_tokens == 0 and _predicted() == predicted
+    tokens, again = _generate(orchestrator, "salted-again", cases["longer"], cache_salt="tenant-b")
+    assert_matches(tokens, uncached["longer"])
+    assert again.prefill_worker == first.prefill_worker and again.cached_tokens == 2 * block
+    assert _predicted() - predicted == 2 * block
     assert_no_blocks_held(dep)

@@ -115,13 +115,14 @@ class AsyncEngine:
         return self._layout
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
+        self, request_id: str, prompt: dict[str, Any], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
+        """`prompt`: a TokensPrompt (vllm_engine.sampling.engine_prompt)."""
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError as VllmEngineDeadError
 
         try:
-            async for output in self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+            async for output in self._llm.generate(prompt, params, request_id):
                 yield output
         except VllmEngineDeadError as exc:
             if self._on_fatal is not None:

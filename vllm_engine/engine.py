@@ -38,7 +38,7 @@ class Engine(Protocol):
     async def state_layout(self) -> "StateLayout": ...
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
+        self, request_id: str, prompt: dict[str, Any], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
         """This request's outputs; leaving early (break, cancel) aborts it in the engine."""
         ...

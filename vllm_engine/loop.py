@@ -53,7 +53,7 @@ class _Sink:
 @dataclass(frozen=True, slots=True)
 class _Add:
     request_id: str
-    prompt_token_ids: list[int]
+    prompt: dict[str, Any]  # a TokensPrompt
     params: "SamplingParams"
     sink: _Sink
 
@@ -126,11 +126,12 @@ class EngineLoop:
         return StateLayout.from_kv_cache_config(self._scheduler.kv_cache_config, tp)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: "SamplingParams"
+        self, request_id: str, prompt: dict[str, Any], params: "SamplingParams"
     ) -> AsyncIterator["RequestOutput"]:
-        """Yield this request's outputs; leaving early (break, cancel) aborts it in the engine."""
+        """Yield this request's outputs (`prompt`: a TokensPrompt, vllm_engine.sampling.engine_prompt);
+        leaving early (break, cancel) aborts it in the engine."""
         outputs: asyncio.Queue[Any] = asyncio.Queue()
-        self._send(_Add(request_id, prompt_token_ids, params, _Sink(asyncio.get_running_loop(), outputs)))
+        self._send(_Add(request_id, prompt, params, _Sink(asyncio.get_running_loop(), outputs)))
         finished = False
         try:
             while not finished:
@@ -204,9 +205,7 @@ class EngineLoop:
                 self._step_once = True
                 continue
             try:
-                self._engine.add_request(
-                    command.request_id, {"prompt_token_ids": command.prompt_token_ids}, command.params
-                )
+                self._engine.add_request(command.request_id, command.prompt, command.params)
             except Exception as exc:  # invalid request: report it to its caller only
                 command.sink.put(as_invalid_request(exc))
             else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge, Histogram
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 # CPU time of the thread that runs the engine's steps (scheduling, forward, output
@@ -42,3 +42,16 @@ class PromptTokenStatLogger(StatLoggerBase):
 
     def log_engine_initialized(self) -> None:
         pass
+
+
+PREFIX_INDEX_BLOCKS = Gauge(
+    "pdserve_prefix_index_blocks", "Block hashes in the engine's prefix index, every KV-cache group counted"
+)
+KV_EVENT_LAG = Histogram(
+    "pdserve_kv_event_lag_seconds",
+    "From vLLM stamping a batch of KV cache events to the prefix index applying it",
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5),
+)
+PREFIX_INDEX_RESYNCS = Counter(
+    "pdserve_prefix_index_resyncs_total", "Event gaps the replay could not fill: the index restarted empty"
+)

@@ -22,10 +22,12 @@ import os
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kv_transfer.layout import GroupKind, StateLayout
+from vllm_engine.metrics import KV_EVENT_LAG, PREFIX_INDEX_BLOCKS, PREFIX_INDEX_RESYNCS
 
 if TYPE_CHECKING:
     from vllm.config.kv_events import KVEventsConfig
@@ -129,7 +131,6 @@ class EventSubscriber:
         self._sockets = sockets
         self._index = index
         self._running = True
-        self.resyncs = 0  # gaps the replay could not fill
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
         self._thread.start()
 
@@ -155,10 +156,13 @@ class EventSubscriber:
                 _, seq_bytes, payload = sub.recv_multipart()
                 seq = int.from_bytes(seq_bytes, "big")
                 if seq > expected and not self._replay(context, decoder, expected, seq):
-                    self.resyncs += 1
+                    PREFIX_INDEX_RESYNCS.inc()
                     log.warning("KV events %d-%d lost and not replayed: prefix index restarts", expected, seq - 1)
                     self._index.clear()
-                self._index.apply(decoder.decode(payload).events)
+                batch = decoder.decode(payload)
+                self._index.apply(batch.events)
+                KV_EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
+                PREFIX_INDEX_BLOCKS.set(len(self._index))
                 expected = seq + 1
         finally:
             sub.close(linger=0)
@@ -191,10 +195,12 @@ class EventSubscriber:
             dealer.close(linger=0)
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, hash_algo: str = "sha256") -> list[BlockKey]:
+def block_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str = "", hash_algo: str = "sha256"
+) -> list[BlockKey]:
     """The hashes vLLM gives this prompt's full blocks, by its own function (and NONE_HASH
     seed, derived in this process as the engine derives it: same rule, same environment), in
-    the form its events carry them."""
+    the form its events carry them. A salt is the first block's extra key, as vLLM keys it."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils
 
@@ -204,6 +210,7 @@ def block_hashes(token_ids: Sequence[int], block_size: int, hash_algo: str = "sh
     hashes: list[BlockKey] = []
     parent = None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size])
+        extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra)
         hashes.append(kv_cache_utils.maybe_convert_block_hash(parent))
     return hashes

@@ -6,7 +6,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from messages.errors import InvalidRequestError
-from messages.requests import SamplingConfig
+from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import TokenChunk
 
 if TYPE_CHECKING:
@@ -45,6 +45,14 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         return SamplingParams(**fields)
     except Exception as exc:  # vLLM's own checks, should ours miss one
         raise as_invalid_request(exc) from None
+
+
+def engine_prompt(request: GenerateRequest) -> dict[str, Any]:
+    """The request's prompt as vLLM takes it (a TokensPrompt)."""
+    prompt: dict[str, Any] = {"prompt_token_ids": list(request.prompt_token_ids)}
+    if request.cache_salt:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
 
 
 def as_invalid_request(exc: Exception) -> Exception:

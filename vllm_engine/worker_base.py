@@ -97,13 +97,15 @@ class EngineWorker:
         layout = await self._engine.state_layout()
         return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching)
 
-    async def cached_prefix(self, prompt_token_ids: Sequence[int], state_pulled: bool = False) -> int:
+    async def cached_prefix(
+        self, prompt_token_ids: Sequence[int], state_pulled: bool = False, cache_salt: str = ""
+    ) -> int:
         """Prompt tokens this engine would take from its prefix cache now (0 with caching off);
         `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.cached_tokens)."""
         if self._prefix_index is None:
             return 0
         layout = await self._engine.state_layout()
-        hashes = block_hashes(prompt_token_ids, layout.block_size)
+        hashes = block_hashes(prompt_token_ids, layout.block_size, cache_salt)
         return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout, state_pulled)
 
     def prefix_index_blocks(self) -> int:
