@@ -4,9 +4,9 @@ engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved
 the router sent each prompt (the prefill engine that said it holds the prefix).
 
 Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
-DeltaNet state is bf16): a hybrid prefix is reusable up to the last block end where a state
-checkpoint was kept, which vLLM does where a prompt's last whole block ends (prefill) and at
-each block end a request crosses while decoding."""
+DeltaNet state is bf16): a prompt a hybrid engine prefills reuses a prefix up to the last block
+end where a state checkpoint was kept, which vLLM does where a prompt's last whole block ends;
+a decode leg, which pulls the final state, needs the attention blocks alone."""
 
 from __future__ import annotations
 
@@ -102,8 +102,8 @@ def cases(colocated, block) -> dict[str, Case]:
 
     def conversation(offset: int) -> dict[str, int] | None:
         """Each turn's prompt is the last one, its 80-token answer and a 20-120-token question;
-        the first is under a block and its answer crosses the block end, so only decode can
-        hold turn 1's first block."""
+        the first is under a block and its answer fills it, so only decode holds that block
+        after turn 1."""
         turns = [first(offset, range(block - MAX_TOKENS + 1, block - 20))]
         while turns[-1] is not None and len(turns) < TURNS:
             turns.append(first(offset, range(turns[-1] + MAX_TOKENS + 20, turns[-1] + MAX_TOKENS + 121)))
@@ -224,10 +224,10 @@ def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached
 
 
 def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, cases, block):
-    """Four turns of one conversation, two decode engines: decode crossed a block end while
-    answering, so the router sends the next turn to that engine, which finds the prefix in its
-    own cache, and NIXL moves only the rest; every turn equals the colocated engine without
-    cache."""
+    """Four turns of one conversation, two decode engines: decode filled whole blocks while
+    answering, so the router sends the next turn to that engine, which finds them in its own
+    cache, and NIXL moves only the rest and the state; every turn equals the colocated engine
+    without cache."""
     dep, orchestrator = deployment
     decode, hits = None, 0
     for turn in range(1, TURNS + 1):

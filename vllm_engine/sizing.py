@@ -12,10 +12,10 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
-if TYPE_CHECKING:
-    from vllm_engine.config import EngineConfig
+from configuration.fields import default_of
+from vllm_engine.config import EngineConfig
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -211,22 +211,23 @@ def _cpu_flags() -> set[str]:
 class SizingInputs:
     """One engine's settings, as passed to vLLM (all memory figures are per GPU / rank)."""
 
-    device: Literal["cpu", "cuda"] = "cpu"
-    tensor_parallel_size: int = 1
-    max_model_len: int = 8192
-    max_num_seqs: int = 16
+    # Defaults are the engine configuration's own (vllm_engine.config.EngineConfig).
+    device: Literal["cpu", "cuda"] = default_of(EngineConfig, "device")
+    tensor_parallel_size: int = default_of(EngineConfig, "tensor_parallel_size")
+    max_model_len: int = default_of(EngineConfig, "max_model_len")
+    max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")
     # Explicit KV cache per rank (vLLM's kv_cache_memory_bytes); required on cpu. On cuda,
     # None sizes it from GPU memory like --gpu-memory-utilization does.
     kv_cache_bytes: int | None = None
     gpu_memory_bytes: int = 80 * GiB
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = default_of(EngineConfig, "gpu_memory_utilization")
     block_size: int | None = None  # None: vLLM's default for the device
-    dtype: str = "bfloat16"  # weights, KV cache and DeltaNet conv state
+    dtype: str = default_of(EngineConfig, "dtype")  # weights, KV cache and DeltaNet conv state
     # DeltaNet recurrent state. None: as vLLM stores it (ssm_state_dtype).
     mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
     prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
-    prefix_caching: bool = True  # vLLM's automatic prefix caching (hybrids: align mode)
+    prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")  # hybrids: align mode
 
     def __post_init__(self) -> None:
         if self.mamba_ssm_dtype is None:  # resolved once, so every figure and label uses the same
@@ -509,7 +510,7 @@ def _reuse(plan: EnginePlan) -> str:
     return f"whole {plan.block_size:,}-token blocks"
 
 
-def plan_for(config: "EngineConfig", shape: ModelShape, **inputs: Any) -> EnginePlan:
+def plan_for(config: EngineConfig, shape: ModelShape, **inputs: Any) -> EnginePlan:
     """The plan of an engine pdserve is about to start with this configuration; `inputs` are
     the SizingInputs an engine configuration does not hold (GPU memory, request lengths)."""
     return plan_engine(
