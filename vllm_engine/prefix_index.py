@@ -17,6 +17,7 @@ blocks alone: the producer's final state replaces any checkpoint.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import shutil
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100
+_PREFIX = "pdserve-kv-events-"
 # A block's hash as vLLM's events carry it: the low 64 bits as an int by default
 # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else the whole digest.
 BlockKey = bytes | int
@@ -49,7 +51,13 @@ class EventSockets:
 
     @classmethod
     def private(cls) -> "EventSockets":
-        return cls(tempfile.mkdtemp(prefix="pdserve-kv-events-"))  # mode 0700
+        """A fresh directory (mode 0700) named for this process; those of processes that died
+        without removing theirs (a killed actor) go first."""
+        for stale in glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*")):
+            pid = os.path.basename(stale)[len(_PREFIX) :].split("-", 1)[0]
+            if pid.isdigit() and not _alive(int(pid)):
+                shutil.rmtree(stale, ignore_errors=True)
+        return cls(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
 
     @property
     def endpoint(self) -> str:
@@ -193,6 +201,16 @@ class EventSubscriber:
             return False
         finally:
             dealer.close(linger=0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def block_hashes(
