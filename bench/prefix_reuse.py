@@ -16,20 +16,36 @@ pdserve_nixl_transfer_bytes on the decode engine counts); then each rate's TTFT 
 cache-aware / cache-blind (issue target <= 0.4) and cache-aware / caching off. Plotted: TTFT
 CDFs and goodput per rate beside the JSON.
 
+`--trace chat`: conversations instead (ChatTrace: a shared system prompt, 4-8 turns, each turn
+sending the history with the model's actual answers), on 1 prefill + 2 decode engines, where
+the choice is which decode engine holds the conversation; reported per system and rate:
+later turns' TTFT p50/p90, their cached share, and the bytes NIXL moved into the decode engines
+per later turn against their handles (target <= 0.3).
+
     python -m bench.prefix_reuse [--rate 1 2] [--num-requests 40]
+    python -m bench.prefix_reuse --trace chat [--rate 0.5 1]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import random
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import (
     TOKEN_ID_RANGE,
+    _pyplot,
+    _save,
     RunReport,
     add_load_args,
     check_fits,
@@ -47,6 +63,8 @@ from configuration.parsers import parse_bytes
 from controller.deployment import DeploymentConfig
 from controller.local_stack import LocalStack
 from planner.trace import RequestSpec
+from messages.timings import LatencySummary
+from router.client import build_request, stream_generate
 from router.orchestrator import RouterPolicy
 from router.security import ClientCredentials
 from vllm_engine.config import EngineConfig, resolve_model
@@ -76,6 +94,159 @@ class RagTrace:
         arrivals = poisson_arrivals(rate, count, random.Random(f"rag-arrivals-{self.seed}"))
         specs = [RequestSpec(i, t, len(p), self.output_tokens) for i, (t, p) in enumerate(zip(arrivals, prompts))]
         return specs, prompts
+
+
+@dataclass(frozen=True, slots=True)
+class ChatTrace:
+    """Conversations that start as a Poisson process (`rate` per second), each `turns` turns
+    long: a system prompt every conversation shares, a first user message, then per turn the
+    whole history (with the model's actual answers, as a chat client sends it) and a question.
+    Turns of one conversation follow each other after `think_s`."""
+
+    conversations: int = 12
+    turns: tuple[int, int] = (4, 8)
+    system_tokens: int = 256
+    first_tokens: int = 200
+    question_tokens: int = 60
+    output_tokens: int = 50
+    think_s: float = 1.0
+    seed: int = 0
+
+    def plan(self, rate: float) -> list[tuple[float, list[list[int]]]]:
+        """(start, each turn's new user tokens, the shared system prompt first) per conversation."""
+        ids = random.Random(f"chat-{self.seed}")
+        system = [ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.system_tokens)]
+        starts = poisson_arrivals(rate, self.conversations, random.Random(f"chat-arrivals-{self.seed}"))
+        plans = []
+        for start in starts:
+            turns = ids.randint(*self.turns)
+            users = [system + [ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.first_tokens)]]
+            users += [[ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.question_tokens)] for _ in range(turns - 1)]
+            plans.append((start, users))
+        return plans
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    index: int  # 0 for a conversation's first turn
+    prompt_tokens: int
+    ttft_s: float | None  # None: it failed
+    gaps_s: tuple[float, ...]
+    cached_tokens: int
+    handle_bytes: int
+
+
+async def _turn(channel: Any, prompt: list[int], request_id: str, output_tokens: int) -> tuple[Turn, list[int]]:
+    sent, times, tokens, final = time.perf_counter(), [], [], None
+    request = build_request(prompt, request_id, max_tokens=output_tokens, ignore_eos=True)
+    try:
+        async for response in stream_generate(channel, request, timeout_s=120):
+            if response.HasField("chunk"):
+                times += [time.perf_counter() - sent] * len(response.chunk.token_ids)
+                tokens += response.chunk.token_ids
+            else:
+                final = response.final
+    except grpc.aio.AioRpcError:
+        final = None
+    if final is None or not times:
+        return Turn(0, len(prompt), None, (), 0, 0), tokens
+    t = final.timings
+    gaps = tuple(b - a for a, b in zip(times, times[1:]))
+    turn = Turn(
+        0, len(prompt), times[0], gaps, final.usage.cached_tokens, t.attention_kv_bytes + t.deltanet_state_bytes
+    )
+    return turn, tokens
+
+
+async def run_chat(channel: Any, trace: ChatTrace, rate: float, label: str) -> list[Turn]:
+    async def conversation(number: int, start: float, users: list[list[int]]) -> list[Turn]:
+        await asyncio.sleep(start)
+        history: list[int] = []
+        turns = []
+        for index, user in enumerate(users):
+            prompt = history + user
+            turn, answer = await _turn(channel, prompt, f"{label}-c{number}-t{index}", trace.output_tokens)
+            turns.append(dataclasses.replace(turn, index=index))
+            history = prompt + answer
+            await asyncio.sleep(trace.think_s)
+        return turns
+
+    plans = trace.plan(rate)
+    done = await asyncio.gather(*(conversation(i, start, users) for i, (start, users) in enumerate(plans)))
+    return [turn for turns in done for turn in turns]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRow:
+    system: str
+    rate: float  # conversations per second
+    turns: int
+    failed: int
+    later_ttft_p50_ms: float | None  # turns after the first
+    later_ttft_p90_ms: float | None
+    itl_p90_ms: float | None
+    cached_share: float  # of later turns' prompt tokens
+    handle_bytes_per_later_turn: float
+    moved_bytes_per_later_turn: float  # NIXL's count on the decode engines, first turns' handles taken off
+
+    def line(self) -> str:
+        return (
+            f"{self.system:<20} {self.rate:>5g} conv/s | {self.turns} turns, {self.failed} failed"
+            f" | later turns TTFT p50/p90 {_fmt(self.later_ttft_p50_ms)}/{_fmt(self.later_ttft_p90_ms)} ms"
+            f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | cached {self.cached_share:.0%}"
+            f" | moved / handle {self.moved_bytes_per_later_turn / max(self.handle_bytes_per_later_turn, 1):.2f}"
+        )
+
+
+def chat_row(system: str, rate: float, turns: list[Turn], moved_bytes: float) -> ChatRow:
+    ok = [t for t in turns if t.ttft_s is not None]
+    later = [t for t in ok if t.index > 0]
+    first_handles = sum(t.handle_bytes for t in ok if t.index == 0)
+    ttft = LatencySummary.of([t.ttft_s for t in later])
+    prompt = sum(t.prompt_tokens for t in later)
+    return ChatRow(
+        system=system,
+        rate=rate,
+        turns=len(turns),
+        failed=len(turns) - len(ok),
+        later_ttft_p50_ms=_ms(ttft.p50),
+        later_ttft_p90_ms=_ms(ttft.p90),
+        itl_p90_ms=_ms(LatencySummary.of([g for t in ok for g in t.gaps_s]).p90),
+        cached_share=sum(t.cached_tokens for t in later) / prompt if prompt else 0.0,
+        handle_bytes_per_later_turn=sum(t.handle_bytes for t in later) / len(later) if later else 0.0,
+        moved_bytes_per_later_turn=max(0.0, moved_bytes - first_handles) / len(later) if later else 0.0,
+    )
+
+
+async def _nixl_bytes(stack: LocalStack) -> float:
+    """Bytes NIXL moved into every decode engine so far (their own metrics endpoints)."""
+    total = 0.0
+    async with httpx.AsyncClient() as client:
+        for member in stack.deployment.decode.members:
+            address = await member.actor.metrics_address.remote()
+            text = (await client.get(f"http://{address}/metrics", timeout=10)).text
+            total += sum(
+                sample.value
+                for family in text_string_to_metric_families(text)
+                for sample in family.samples
+                if sample.name == "pdserve_nixl_transfer_bytes_sum"
+            )
+    return total
+
+
+async def run_chat_system(
+    model: str, system: System, trace: ChatTrace, rates: list[float], args: argparse.Namespace
+) -> list[ChatRow]:
+    async with LocalStack(system.deployment(model, args.kv_cache_bytes), text_prompts=False) as stack:
+        async with ClientCredentials().channel(stack.server.address) as channel:
+            await warm_up(channel, load_config(args))
+            rows = []
+            for rate in rates:
+                before = await _nixl_bytes(stack)
+                turns = await run_chat(channel, trace, rate, f"{system.label}-{rate:g}".replace(" ", "-"))
+                rows.append(chat_row(system.label, rate, turns, await _nixl_bytes(stack) - before))
+                print(rows[-1].line(), file=sys.stderr, flush=True)
+            return rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,19 +303,27 @@ def _fmt(ms: float | None) -> str:
 class System:
     label: str
     prefill: int
+    decode: int
     caching: bool
     cache_aware: bool
 
     def deployment(self, model: str, kv_cache_bytes: int | None) -> DeploymentConfig:
         engine = EngineConfig(model=model, enable_prefix_caching=self.caching, kv_cache_bytes=kv_cache_bytes)
         policy = RouterPolicy(cache_aware=self.cache_aware)
-        return DeploymentConfig(engine=engine, num_prefill=self.prefill, policy=policy)
+        return DeploymentConfig(engine=engine, num_prefill=self.prefill, num_decode=self.decode, policy=policy)
 
 
+# RAG: the choice is which prefill engine holds the document.
 SYSTEMS = (
-    System("2P+1D cache-aware", 2, caching=True, cache_aware=True),
-    System("2P+1D cache-blind", 2, caching=True, cache_aware=False),
-    System("1P+1D caching off", 1, caching=False, cache_aware=False),
+    System("2P+1D cache-aware", 2, 1, caching=True, cache_aware=True),
+    System("2P+1D cache-blind", 2, 1, caching=True, cache_aware=False),
+    System("1P+1D caching off", 1, 1, caching=False, cache_aware=False),
+)
+# Chat: the choice is which decode engine holds the conversation.
+CHAT_SYSTEMS = (
+    System("1P+2D cache-aware", 1, 2, caching=True, cache_aware=True),
+    System("1P+2D cache-blind", 1, 2, caching=True, cache_aware=False),
+    System("1P+1D caching off", 1, 1, caching=False, cache_aware=False),
 )
 
 
@@ -169,7 +348,13 @@ async def run_system(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--rate", type=float, nargs="+", default=[1.0, 2.0], help="Poisson rates, req/s")
+    parser.add_argument("--trace", choices=["rag", "chat"], default="rag")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        nargs="+",
+        help="Poisson rates: requests/s (rag, default 1 2), conversations/s (chat, 0.5 1)",
+    )
     defaults = RagTrace()
     parser.add_argument("--documents", type=int, default=defaults.documents)
     parser.add_argument("--document-tokens", type=int, default=defaults.document_tokens)
@@ -184,11 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
+    start_local()
+    model = resolve_model(args.model)
+    if args.trace == "chat":
+        return _chat(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
     trace = RagTrace(
         args.documents, args.document_tokens, args.question_tokens, args.output_tokens, args.zipf, args.seed
     )
-    start_local()
-    model = resolve_model(args.model)
+    args.rate = args.rate or [1.0, 2.0]
     series: dict[str, list[RunReport]] = {}
     for system in SYSTEMS:
         print(f"== {system.label}", file=sys.stderr, flush=True)
@@ -212,6 +400,58 @@ def main(argv: list[str] | None = None) -> int:
         )
     print(f"results: {args.out}")
     return 0
+
+
+def _chat(model: str, trace: ChatTrace, rates: list[float], args: argparse.Namespace) -> int:
+    rows: list[ChatRow] = []
+    for system in CHAT_SYSTEMS:
+        print(f"== {system.label}", file=sys.stderr, flush=True)
+        rows += asyncio.run(run_chat_system(model, system, trace, rates, args))
+    out = args.out.with_name(f"{args.out.stem}_chat.json")
+    write_json(out, {"trace": asdict(trace), "rows": [asdict(r) for r in rows]})
+    _plot_chat(rows, out.with_suffix(".png"))
+    print(
+        f"chat: {trace.conversations} conversations of {trace.turns[0]}-{trace.turns[1]} turns, a shared "
+        f"{trace.system_tokens}-token system prompt, {trace.first_tokens}-token first and "
+        f"{trace.question_tokens}-token later messages, {trace.output_tokens} tokens out, "
+        f"{trace.think_s:g} s between turns"
+    )
+    for row in rows:
+        print(row.line())
+    by = {(r.system, r.rate): r for r in rows}
+    aware, blind, off = (system.label for system in CHAT_SYSTEMS)
+    for rate in rates:
+        a, b, c = by[(aware, rate)], by[(blind, rate)], by[(off, rate)]
+        print(
+            f"{rate:g} conv/s: later-turn TTFT p50 cache-aware / cache-blind "
+            f"{(a.later_ttft_p50_ms or 0) / (b.later_ttft_p50_ms or float('inf')):.2f}x, / caching off "
+            f"{(a.later_ttft_p50_ms or 0) / (c.later_ttft_p50_ms or float('inf')):.2f}x; bytes moved per later turn "
+            f"/ its handle: {a.moved_bytes_per_later_turn / max(a.handle_bytes_per_later_turn, 1):.2f} (target <= 0.3)"
+        )
+    print(f"results: {out}")
+    return 0
+
+
+def _plot_chat(rows: list[ChatRow], path: Path) -> None:
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for system in dict.fromkeys(r.system for r in rows):
+        mine = [r for r in rows if r.system == system]
+        rates = [r.rate for r in mine]
+        left.plot(rates, [r.later_ttft_p50_ms or 0 for r in mine], marker="o", label=system)
+        right.plot(
+            rates,
+            [r.moved_bytes_per_later_turn / max(r.handle_bytes_per_later_turn, 1) for r in mine],
+            marker="o",
+            label=system,
+        )
+    left.set(title="TTFT p50, turns after the first", xlabel="conversations/s", ylabel="ms")
+    right.axhline(0.3, color="grey", linestyle=":", label="target")
+    right.set(title="bytes NIXL moved / handle, later turns", xlabel="conversations/s", ylabel="ratio")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    _save(fig, path)
 
 
 if __name__ == "__main__":
