@@ -9,7 +9,6 @@ from typing import Any
 
 from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for, pick_side_channel
 from kv_transfer.consumer import TransferConsumer
-from kv_transfer.metrics import TransferStatLogger
 from kv_transfer.producer import TransferProducer
 
 
@@ -31,9 +30,6 @@ class Connector:
 
     def process_env(self) -> dict[str, str]:
         return {**self.channel.process_env(), **self.transfer.process_env()}
-
-    def stat_loggers(self) -> list[Any]:
-        return [TransferStatLogger]
 
     def halves(self, prefill_backoff: int) -> tuple[TransferProducer | None, TransferConsumer | None]:
         """(producer, consumer), None for the half this role does not run; `prefill_backoff`

@@ -1,7 +1,7 @@
 """Prometheus metrics of the transfer layer, exported by each worker process.
 
 Per-transfer duration, bytes, descriptor count and failures come from vLLM's NixlConnector
-statistics (delivered each engine step to a stat logger we register); the split into
+statistics (delivered each engine step to the engine's stat logger, vllm_engine.metrics); the split into
 attention KV and DeltaNet state bytes comes from our handle accounting; leases are counted
 by the prefill worker (granted) and by vLLM (expired).
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import Counter, Histogram, start_http_server
-from vllm.v1.metrics.loggers import StatLoggerBase
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _BYTES = tuple(float(2**p) for p in range(12, 36, 2))  # 4 KiB .. 32 GiB
@@ -42,24 +41,8 @@ _FAILURE_FIELDS = {
 }
 
 
-class TransferStatLogger(StatLoggerBase):
-    """Turns the connector statistics vLLM hands its stat loggers into Prometheus metrics."""
-
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-        pass
-
-    def record(
-        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-    ) -> None:
-        data = getattr(scheduler_stats, "kv_connector_stats", None)
-        if data:
-            observe_connector_stats(data)
-
-    def log_engine_initialized(self) -> None:
-        pass
-
-
 def observe_connector_stats(data: dict[str, list[Any]]) -> None:
+    """One step's NixlKVConnectorStats (scheduler_stats.kv_connector_stats) as our metrics."""
     for seconds, size, descriptors in zip(
         data.get("transfer_duration", []), data.get("bytes_transferred", []), data.get("num_descriptors", [])
     ):

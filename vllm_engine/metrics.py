@@ -7,6 +7,8 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from kv_transfer.metrics import observe_connector_stats
+
 # CPU time of the thread that runs the engine's steps (scheduling, forward, output
 # processing). Beside the process's CPU it shows what serving costs outside the engine.
 # Only the in-process engine path counts it: AsyncLLM steps in a process of its own.
@@ -20,8 +22,9 @@ PROMPT_TOKENS = Counter(
 )
 
 
-class PromptTokenStatLogger(StatLoggerBase):
-    """Counts the prompt-token breakdown vLLM hands its stat loggers each step."""
+class EngineStatLogger(StatLoggerBase):
+    """What vLLM hands its stat loggers each step, as our metrics: the prompt-token breakdown,
+    and the KV connector's transfer statistics where the engine has a connector."""
 
     def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
         pass
@@ -29,6 +32,9 @@ class PromptTokenStatLogger(StatLoggerBase):
     def record(
         self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
     ) -> None:
+        connector = getattr(scheduler_stats, "kv_connector_stats", None)
+        if connector:
+            observe_connector_stats(connector)
         stats = getattr(iteration_stats, "prompt_token_stats", None)
         if stats is None:
             return

@@ -19,7 +19,7 @@ from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, exit_for_restart, start_engine
-from vllm_engine.metrics import PromptTokenStatLogger
+from vllm_engine.metrics import EngineStatLogger
 from vllm_engine.prefix_index import EventSockets, EventSubscriber, PrefixIndex, block_hashes
 
 
@@ -52,7 +52,7 @@ class EngineWorker:
                 raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
             self.engine_id = f"colocated-{name}"
             self._engine = start_engine(
-                engine_config, on_fatal=on_fatal, stat_loggers=[PromptTokenStatLogger], kv_events_config=events_config
+                engine_config, on_fatal=on_fatal, stat_loggers=[EngineStatLogger], kv_events_config=events_config
             )
             self._producer = self._consumer = None
         else:
@@ -63,7 +63,7 @@ class EngineWorker:
                 connector.kv_transfer_config(),
                 connector.process_env(),
                 on_fatal,
-                [PromptTokenStatLogger, *connector.stat_loggers()],
+                [EngineStatLogger],
                 events_config,
             )
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
