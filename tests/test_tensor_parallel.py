@@ -165,6 +165,8 @@ def test_capacity_reported_by_each_engine_matches_pdserve_plan(served_tp2, model
 
 
 def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, reference):
+    """Then the long prompt again, with prefix hits on both sides: the TP 2 prefill engine
+    reuses its blocks up to its checkpoint, the TP 1 decode engine its own attention blocks."""
     dep = Deployment(DeploymentConfig(engine=engine_config, prefill_sizing=TP2))
     try:
         orchestrator = run(dep.start())
@@ -172,6 +174,10 @@ def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, referen
             tokens, result = run(collect(orchestrator.generate(make_request(name, f"tp21-{name}"))))
             assert_matches(tokens, reference[name])
             assert result.prefill_worker == "prefill-0"
+        tokens, again = run(collect(orchestrator.generate(make_request("long", "tp21-long-again"))))
+        assert_matches(tokens, reference["long"])
+        block = dep.capacities["prefill-0"].block_size
+        assert again.cached_tokens == (len(PROMPTS["long"]) - 1) // block * block
         assert_no_blocks_held(dep)
     finally:
         dep.shutdown()
