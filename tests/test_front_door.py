@@ -173,8 +173,12 @@ def test_burst_past_capacity_is_turned_away_fast_and_admitted_requests_complete(
     assert len(ok) + len(refused) == 200, {o[0] for o in outcomes}
     assert len(ok) >= MAX_IN_FLIGHT + MAX_QUEUE and all(n == 16 for _, n, _, _ in ok)
     assert all(pushback and int(pushback) > 0 for *_, pushback in refused)
+    # Refused without waiting for an engine: faster than the admitted, whatever this box's
+    # speed (200 TLS streams share the test's event loop; bench.overload measures the latency).
     refusal_times = sorted(t for _, _, t, _ in refused)
-    assert refusal_times[len(refusal_times) // 2] < 0.5, refusal_times[-5:]  # p50 (bench measures p99)
+    admitted_times = sorted(t for _, _, t, _ in ok)
+    refusal_p50, admitted_p50 = refusal_times[len(refusal_times) // 2], admitted_times[len(admitted_times) // 2]
+    assert refusal_p50 < admitted_p50, (refusal_p50, admitted_p50)
     assert door.server.admission.in_flight == 0 and door.server.admission.waiting == 0
     assert_no_blocks_held(door.dep)
 
