@@ -200,6 +200,15 @@ def test_launch_hands_its_arguments_to_the_head_intact(monkeypatch):
     assert on_head[on_head.index("--") + 1 :] == ["--model", "/models/a model", "--device", "cuda"]
 
 
+def _exited_pid() -> int:
+    done = subprocess.Popen(["true"])
+    done.wait()
+    return done.pid
+
+
+EXITED_PID = _exited_pid()  # taken before any test patches subprocess.Popen
+
+
 def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str], launch_args: tuple = (), waited=None):
     """Runs launch.py's head side against `nodes` (no Ray, no process started); returns the
     `pdserve serve` command line and its arguments as pdserve's own parser reads them.
@@ -209,7 +218,9 @@ def _launch_on_head(monkeypatch, tmp_path, nodes: dict, serve_args: list[str], l
     waited = [] if waited is None else waited
 
     class Started:
-        pid = 4242
+        # A process that has exited: a made-up pid may be a live engine of an earlier test,
+        # which launch.py would take for a running `pdserve serve`.
+        pid = EXITED_PID
 
         def __init__(self, cmd, **kwargs):
             started.append(cmd)
