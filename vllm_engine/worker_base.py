@@ -69,6 +69,7 @@ class EngineWorker:
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
+        self._layout: StateLayout | None = None
         if self._events is not None:
             self._prefix_index = PrefixIndex()
             self._subscriber = EventSubscriber(self._events, self._prefix_index)
@@ -104,7 +105,9 @@ class EngineWorker:
         `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.cached_tokens)."""
         if self._prefix_index is None:
             return 0
-        layout = await self._engine.state_layout()
+        if self._layout is None:  # fixed for the engine's life: built once, not per request
+            self._layout = await self._engine.state_layout()
+        layout = self._layout
         hashes = block_hashes(prompt_token_ids, layout.block_size, cache_salt)
         return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout, state_pulled)
 
