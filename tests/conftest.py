@@ -78,6 +78,16 @@ def reference(ray_cluster, engine_config) -> dict[str, Any]:
         ray_cluster.kill(actor, no_restart=True)
 
 
+@pytest.fixture
+def sandbox(tmp_path) -> Any:
+    """Private network, PID and mount namespaces for a test's cluster of "hosts"."""
+    from sandbox import Sandbox
+
+    box = Sandbox(tmp_path)
+    yield box
+    box.close()
+
+
 def _engines_idle(dep) -> bool:
     import ray
 

@@ -6,9 +6,7 @@
   token authentication on as the config sets it up, deploy/launch.py brings up the router and
   pools behind TLS and tokens, one gRPC generation, `ray down`.
 
-`Sandbox` gives each test private network (loopback only), PID and mount namespaces with
-their own /root and /tmp, so nothing touches another Ray on this machine, root's real home
-or /tmp, and killing the sandbox's first process kills everything started inside it.
+Each test runs in a `Sandbox` (tests/sandbox.py).
 """
 
 from __future__ import annotations
@@ -18,7 +16,6 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -26,121 +23,13 @@ import pytest
 import yaml
 from certificates import write_certificates
 from conftest import wait_until
+from sandbox import REPO, Sandbox, client_env, tail
 
 from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 
-REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
-VENV_BIN = Path(sys.executable).parent
 HEAD, PREFILL_HOST, DECODE_HOST = "127.0.0.2", "127.0.0.3", "127.0.0.4"
 SSH_KEY = "/root/.ssh/id_ed25519"  # inside the sandbox
-
-
-class Sandbox:
-    """Private net/PID/mount namespaces. /root is `home`, /tmp is `workspace/tmp` inside."""
-
-    def __init__(self, workspace: Path) -> None:
-        self.home = workspace / "home"
-        self.logs = workspace / "logs"
-        for d in (self.home / ".ssh", workspace / "tmp", self.logs):
-            d.mkdir(parents=True, mode=0o700)
-        # unshare dies with this process (setpriv --pdeathsig) and its child, the namespaces'
-        # init, dies with unshare (--kill-child): even a killed test run leaves nothing behind.
-        self._holder = subprocess.Popen(
-            [
-                "setpriv",
-                "--pdeathsig=KILL",
-                "unshare",
-                "--net",
-                "--pid",
-                "--fork",
-                "--mount",
-                "--mount-proc",
-                "--propagation=private",
-                "--kill-child",
-                "sleep",
-                "infinity",
-            ]
-        )
-        self._background: list[subprocess.Popen] = []
-        try:
-            self.init_pid = self._child_of(self._holder.pid)
-            self._mount_private_dirs(workspace)
-        except BaseException:
-            self.close()
-            raise
-
-    def _mount_private_dirs(self, workspace: Path) -> None:
-        # Paths the hosts need that live under the masked /root or /tmp (pyenv's interpreter,
-        # a checkout cloned under /tmp as CI may do) stay visible, read-only, at their path.
-        private = {Path.home(): self.home, Path("/tmp"): workspace / "tmp"}
-        mounts = ["ip link set lo up"]
-        for needed in (Path(sys.base_prefix), REPO):
-            for masked, replacement in private.items():
-                if needed.is_relative_to(masked) and not replacement.is_relative_to(needed):
-                    inside = replacement / needed.relative_to(masked)
-                    inside.mkdir(parents=True, exist_ok=True)
-                    mounts += [f"mount --bind {needed} {inside}", f"mount -o remount,bind,ro {inside}"]
-        # The hosts' shared home holds this checkout as ~/pdserve (what onprem.yaml's setup makes).
-        (self.home / "pdserve").mkdir()
-        mounts += [f"mount --bind {REPO} {self.home / 'pdserve'}", f"mount -o remount,bind,ro {self.home / 'pdserve'}"]
-        mounts += [
-            f"mount --rbind {self.home} /root",
-            f"mount --rbind {workspace / 'tmp'} /tmp",
-            "mount -t tmpfs tmpfs /run",  # sshd wants /run/sshd; keep it off the real /run
-            "mkdir -m 755 /run/sshd",
-        ]
-        self.run(" && ".join(mounts), check=True)
-
-    @staticmethod
-    def _child_of(pid: int) -> int:
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        for _ in range(100):
-            if ids := children.read_text().split():
-                return int(ids[0])
-            time.sleep(0.05)
-        raise RuntimeError("unshare started no child")
-
-    def _enter(self, cmd: str) -> list[str]:
-        return ["nsenter", "-t", str(self.init_pid), "-n", "-p", "-m", f"--wd={REPO}", "bash", "-c", cmd]
-
-    def run(
-        self, cmd: str, timeout: float = 60, check: bool = False, env: dict | None = None
-    ) -> subprocess.CompletedProcess:
-        result = subprocess.run(self._enter(cmd), check=False, capture_output=True, text=True, timeout=timeout, env=env)
-        if check:
-            assert result.returncode == 0, f"{cmd!r} failed:\n{_tail(result)}"
-        return result
-
-    def spawn(self, cmd: str, log_name: str) -> None:
-        with open(self.logs / log_name, "wb") as log:
-            self._background.append(subprocess.Popen(self._enter(cmd), stdout=log, stderr=subprocess.STDOUT))
-
-    def running(self, names: set[str]) -> set[str]:
-        return names & set(self.run("ps -eo comm=", check=True).stdout.split())
-
-    def close(self) -> None:
-        self._holder.kill()
-        self._holder.wait()
-        for proc in self._background:
-            proc.wait(timeout=10)
-
-
-def _tail(result: subprocess.CompletedProcess, lines: int = 60) -> str:
-    return "\n".join((result.stdout + result.stderr).splitlines()[-lines:])
-
-
-@pytest.fixture
-def sandbox(tmp_path):
-    box = Sandbox(tmp_path)
-    yield box
-    box.close()
-
-
-def _client_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(PATH=f"{VENV_BIN}:{env['PATH']}", HOME="/root", RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
-    return {**env, **extra}
 
 
 # ---- fake multi-node autoscaling with the AWS node types ------------------------------------
@@ -229,7 +118,7 @@ def drive_fake_cluster() -> None:
 @pytest.mark.slow
 def test_engines_launch_their_node_types_and_idle_nodes_go(sandbox):
     (sandbox.home / "fake.yaml").write_text(yaml.safe_dump(fake_cluster_config()))
-    env = _client_env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
+    env = client_env(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1")
     sandbox.run(
         "ray start --head --port=6379 --autoscaling-config=/root/fake.yaml --num-cpus=1 "
         "--object-store-memory=100000000 --include-dashboard=false",
@@ -242,7 +131,7 @@ def test_engines_launch_their_node_types_and_idle_nodes_go(sandbox):
         timeout=300,
         env=env,
     )
-    assert drive.returncode == 0, _tail(drive)
+    assert drive.returncode == 0, tail(drive)
     steps = {s["step"]: s for s in map(json.loads, drive.stdout.splitlines())}
     print(json.dumps(steps, indent=1))
 
@@ -369,7 +258,7 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
     start_ssh_hosts(sandbox, [HEAD, PREFILL_HOST, DECODE_HOST])
     prepare_home(sandbox, model_path)
     # Autoscaler v2 never launches the local provider's workers.
-    env = _client_env(RAY_UP_enable_autoscaler_v2="0")
+    env = client_env(RAY_UP_enable_autoscaler_v2="0")
     timings = {}
 
     def timed(name: str, cmd: str, timeout: float) -> subprocess.CompletedProcess:
@@ -380,7 +269,7 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
 
     def step(name: str, cmd: str, timeout: float) -> subprocess.CompletedProcess:
         result = timed(name, cmd, timeout)
-        assert result.returncode == 0, f"{name} failed:\n{_tail(result)}"
+        assert result.returncode == 0, f"{name} failed:\n{tail(result)}"
         return result
 
     # The operator's one-time step: the cluster's Ray token, which file_mounts copies to every host.
@@ -390,31 +279,31 @@ def test_ray_up_on_loopback_serves_a_generation(sandbox, model_path):
         door = f"--tls-dir {FRONT} --tokens-file {FRONT}/tokens"  # paths in the head's home
         launch_cmd = f"python deploy/launch.py /root/cluster.yaml {door} --timeout 150 -- --model /root/model"
         launch = step("launch", launch_cmd, 240)
-        assert f"node {PREFILL_HOST}: 1 prefill slot(s)" in launch.stdout, _tail(launch)
-        assert f"node {DECODE_HOST}: 1 decode slot(s)" in launch.stdout, _tail(launch)
-        assert "serving on 0.0.0.0:50051: 1 prefill + 1 decode engines" in launch.stdout, _tail(launch)
+        assert f"node {PREFILL_HOST}: 1 prefill slot(s)" in launch.stdout, tail(launch)
+        assert f"node {DECODE_HOST}: 1 decode slot(s)" in launch.stdout, tail(launch)
+        assert "serving on 0.0.0.0:50051: 1 prefill + 1 decode engines" in launch.stdout, tail(launch)
         status = step("ray status", "ray exec /root/cluster.yaml 'ray status'", 60)
-        assert re.search(rf"1(\.0)?/1(\.0)? {PREFILL_RESOURCE}", status.stdout), _tail(status)
-        assert re.search(rf"1(\.0)?/1(\.0)? {DECODE_RESOURCE}", status.stdout), _tail(status)
+        assert re.search(rf"1(\.0)?/1(\.0)? {PREFILL_RESOURCE}", status.stdout), tail(status)
+        assert re.search(rf"1(\.0)?/1(\.0)? {DECODE_RESOURCE}", status.stdout), tail(status)
         # Token auth is on: a client without the token is refused by the head's GCS.
         stranger = timed("ray status, no token", f"RAY_AUTH_MODE=disabled ray status --address {HEAD}:6379", 60)
-        assert stranger.returncode != 0 and "InvalidAuthToken" in stranger.stdout + stranger.stderr, _tail(stranger)
+        assert stranger.returncode != 0 and "InvalidAuthToken" in stranger.stdout + stranger.stderr, tail(stranger)
 
         front = f"--target {HEAD}:50051 --tls-ca /root/{FRONT}/ca.pem"
         refused = timed("generate, no token", f"pdserve generate {front} --max-tokens 8 'no token'", 60)
-        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, _tail(refused)
+        assert refused.returncode != 0 and "UNAUTHENTICATED" in refused.stderr, tail(refused)
         token = f"--token-file /root/{FRONT}/client-token"
         gen = step("generate", f"pdserve generate {front} {token} --max-tokens 8 'Prefill reads the prompt'", 60)
         usage = re.search(r"prompt / completion tokens\s+(\d+) / (\d+)", gen.stdout)
-        assert usage and int(usage[1]) > 0 and int(usage[2]) > 0, _tail(gen)
-        assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.MULTILINE), _tail(gen)
-        assert re.search(r"on decode-0$", gen.stdout, re.MULTILINE), _tail(gen)
+        assert usage and int(usage[1]) > 0 and int(usage[2]) > 0, tail(gen)
+        assert re.search(r"^prefill .* on prefill-0$", gen.stdout, re.MULTILINE), tail(gen)
+        assert re.search(r"on decode-0$", gen.stdout, re.MULTILINE), tail(gen)
 
         stop = step("launch --stop", "python deploy/launch.py /root/cluster.yaml --stop", 90)
-        assert "stopped pdserve serve" in stop.stdout, _tail(stop)
+        assert "stopped pdserve serve" in stop.stdout, tail(stop)
     finally:
         down = timed("ray down", "ray down -y /root/cluster.yaml", 120)
         print(timings)
-    assert down.returncode == 0, _tail(down)
+    assert down.returncode == 0, tail(down)
     core = {"gcs_server", "raylet", "pdserve"}
     assert wait_until(lambda: not sandbox.running(core), 30), f"still running after ray down: {sandbox.running(core)}"
