@@ -8,6 +8,7 @@ and killing the sandbox's first process kills everything started inside it.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -124,6 +125,19 @@ def client_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def ensure_debian_packages(tools: dict[str, str]) -> None:
+    """Install the Debian package of each missing tool (tool -> package)."""
+    missing = sorted({package for tool, package in tools.items() if not shutil.which(tool)})
+    if not missing:
+        return
+    # Debian's policy-rc.d in containers keeps a package from starting its service (sshd).
+    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *missing]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.run(install, check=False, capture_output=True, env=env).returncode != 0:
+        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True, env=env)
+        subprocess.run(install, check=True, capture_output=True, env=env)
+
+
 # RFC 2544's benchmarking range: never routed out of this machine.
 BRIDGE_PREFIX = "198.18.0"
 BRIDGE = "br0"
@@ -156,6 +170,7 @@ class BridgedHosts:
     over the link as it would between machines. Killing a host's init kills the whole host."""
 
     def __init__(self, box: Sandbox, names: list[str]) -> None:
+        ensure_debian_packages({"nft": "nftables", "tc": "iproute2", "ss": "iproute2"})
         self.box = box
         self._token = uuid.uuid4().hex[:8]
         box.run(f"ip link add {BRIDGE} type bridge && ip addr add {BRIDGE_PREFIX}.254/24 dev {BRIDGE}", check=True)
@@ -212,6 +227,44 @@ class BridgedHosts:
     def spawn(self, name: str, cmd: str, log_name: str, env: dict | None = None) -> subprocess.Popen:
         with open(self.box.logs / log_name, "wb") as log:
             proc = subprocess.Popen(self._enter(name, cmd), stdout=log, stderr=subprocess.STDOUT, env=env)
+        self.box.track(proc)
+        return proc
+
+    # ---- faults, made in the switch (the sandbox's namespace); netem is not in this kernel ----
+
+    def drop(self, a: str, b: str, percent: int) -> None:
+        """Drop `percent`% of the packets between hosts a and b, both ways (100: a partition).
+        Bridged frames pass nftables' bridge family; `numgen random` picks the share."""
+        table = "bridge pdserve_faults"
+        rules = [f"add table {table}", f"add chain {table} forward {{ type filter hook forward priority 0; }}"]
+        share = "" if percent >= 100 else f"numgen random mod 100 < {percent} "
+        for src, dst in ((a, b), (b, a)):
+            rules.append(f"add rule {table} forward ip saddr {self[src].ip} ip daddr {self[dst].ip} {share}drop")
+        self.box.run("nft -f - <<'EOF'\n" + "\n".join(rules) + "\nEOF", check=True)
+
+    def cap(self, name: str, rate: str) -> None:
+        """Cap what reaches host `name` over its link to `rate` (tc tbf, e.g. "1gbit")."""
+        self.box.run(
+            f"tc qdisc replace dev {self[name].link} root tbf rate {rate} burst 256kb latency 100ms", check=True
+        )
+
+    def heal(self) -> None:
+        """Remove every drop rule and cap."""
+        self.box.run("nft delete table bridge pdserve_faults 2>/dev/null; true", check=True)
+        for host in self.hosts.values():
+            self.box.run(f"tc qdisc del dev {host.link} root 2>/dev/null; true", check=True)
+
+    def popen(self, name: str, cmd: str, env: dict | None = None) -> subprocess.Popen:
+        """A process on host `name` whose stdin and stdout (text, line-buffered) this process holds."""
+        proc = subprocess.Popen(
+            self._enter(name, cmd),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=open(self.box.logs / f"{name}-popen.log", "ab"),
+            text=True,
+            bufsize=1,
+            env=env,
+        )
         self.box.track(proc)
         return proc
 

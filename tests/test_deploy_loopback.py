@@ -12,7 +12,6 @@ Each test runs in a `Sandbox` (tests/sandbox.py).
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ import pytest
 import yaml
 from certificates import write_certificates
 from conftest import wait_until
-from sandbox import REPO, Sandbox, client_env, tail
+from sandbox import REPO, Sandbox, client_env, ensure_debian_packages, tail
 
 from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 
@@ -175,21 +174,10 @@ FRONT = "pdserve-front"
 GENERATE_TOKEN = "gen-" + "loopback" * 4
 
 
-def _ensure_ssh_tools() -> None:
-    if shutil.which("sshd", path="/usr/sbin") and shutil.which("rsync"):
-        return
-    # Debian's policy-rc.d in containers keeps the package from starting a system sshd.
-    install = ["apt-get", "install", "-y", "-q", "--no-install-recommends", "openssh-server", "rsync"]
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    if subprocess.run(install, check=False, capture_output=True, env=env).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], check=True, capture_output=True, env=env)
-        subprocess.run(install, check=True, capture_output=True, env=env)
-
-
 def start_ssh_hosts(box: Sandbox, ips: list[str]) -> None:
     """One sshd per host address, each in its own PID and mount namespace with its own /tmp:
     every host sees only its own Ray (`ray stop` on one host leaves the others alone)."""
-    _ensure_ssh_tools()
+    ensure_debian_packages({"/usr/sbin/sshd": "openssh-server", "rsync": "rsync"})
     ssh = box.home / ".ssh"
     for key in ("id_ed25519", "host_key"):
         subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", ssh / key], check=True)
