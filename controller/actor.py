@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
 import ray
 
+from controller.admission_grants import AdmissionGrants
 from controller.deployment import Deployment, DeploymentConfig
 from controller.planning import PlannerSetup, PlanningLoop
 from messages.membership import ClusterView, MemberState, RouterReport, ScalingDecision, ScalingOutcome
@@ -57,6 +59,7 @@ class PoolController:
         self._targets: dict[str, tuple[str, str]] = {"controller": ("controller", f"{host}:{server.server_port}")}
         self._tasks: list[asyncio.Task[None]] = []
         self._resizing = asyncio.Lock()
+        self._admission = AdmissionGrants()  # the router tier's in-flight and queue limits, shared out
 
     async def start(self) -> ClusterView:
         """Start every engine, handshake every pair, then keep polling them (and planning)."""
@@ -87,11 +90,13 @@ class PoolController:
         dep = self._deployment
         if dep.limits is None:
             raise RuntimeError("the controller is still starting its engines")
+        admission = report.admission if report is not None else None
         return ClusterView(
             tuple(_state(m) for m in dep.prefill.members),
             tuple(_state(m) for m in dep.decode.members),
             dep.limits,
             dep.health.polls,
+            self._admission.grant(admission, time.monotonic()) if admission is not None else None,
         )
 
     def capacities(self) -> dict[str, str]:
@@ -110,6 +115,11 @@ class PoolController:
             self._targets[name] = ("router", metrics_address)
         else:
             self._targets.pop(name, None)
+
+    def router_left(self, name: str) -> None:
+        """A router drained: no metrics to scrape, no share of admission to hold."""
+        self._targets.pop(name, None)
+        self._admission.forget(name)
 
     def shutdown(self) -> None:
         """Stop polling (and planning) and kill every engine (the caller then kills this actor)."""

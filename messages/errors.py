@@ -57,6 +57,11 @@ class DecodeFailedError(RuntimeError):
     """The decode engine serving the request died or stalled."""
 
 
+class LegStalledError(DecodeFailedError):
+    """A decode leg heard nothing for the stall timeout: its engine is stuck, or cut off from
+    this router while still alive; its request moves to another decode actor."""
+
+
 class FeedLostError(ConnectionError):
     """A decode actor's token feed to this router broke: the actor died (or the network
     failed); its requests move to another decode actor, as for any decode actor's death."""

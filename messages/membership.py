@@ -39,10 +39,29 @@ class ClusterView:
     # Bumped by every completed load poll: a router that fetched the same poll twice must
     # not take its loads as new.
     poll: int
+    # The router that asked may hold this much at once (None: all of its own limits).
+    admission_grant: AdmissionLimits | None = None
 
     @property
     def colocated(self) -> bool:
         return not self.prefill
+
+
+@dataclass(frozen=True, slots=True)
+class AdmissionLimits:
+    max_in_flight: int  # requests between admission and their final message
+    max_queue: int  # requests waiting for a slot (FIFO); past this they are refused
+
+
+@dataclass(frozen=True, slots=True)
+class RouterAdmission:
+    """A router's admission counts when it asked for a view, and the tier's limits as its
+    configuration sets them: the controller shares the limits out among the routers."""
+
+    router: str
+    in_flight: int
+    waiting: int
+    limits: AdmissionLimits
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +71,7 @@ class RouterReport:
 
     finished: tuple[FinishedRequest, ...]
     arrivals: int  # requests that arrived, finished or not
+    admission: RouterAdmission | None = None
 
 
 @dataclass(frozen=True, slots=True)

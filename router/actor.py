@@ -74,7 +74,7 @@ class RouterActor:
         tokenizer = AutoTokenizer.from_pretrained(model)
         controller = self._controller
         view = await controller.view.remote()
-        mirror = ControllerMirror(controller, view)
+        mirror = ControllerMirror(controller, view, self._name)
         orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy, mirror.journal)
 
         async def scale(decision: ScalingDecision) -> ScalingOutcome:
@@ -84,7 +84,7 @@ class RouterActor:
                 raise err.cause from None
 
         self._server = RouterServer(
-            orchestrator, mirror, tokenizer.encode, model, s.listen, s.health_interval_s, scale, s.front
+            orchestrator, mirror, tokenizer.encode, model, s.listen, s.health_interval_s, scale, s.front, tier=mirror
         )
         await self._server.start()
         http = metrics = None
@@ -106,7 +106,7 @@ class RouterActor:
         finished = await self._server.drain(timeout_s)
         if self._http is not None:
             await self._http.stop()
-        await self._controller.register_router.remote(self._name, None)
+        await self._controller.router_left.remote(self._name)
         return finished
 
     def pid(self) -> int:

@@ -14,16 +14,10 @@ import asyncio
 import contextlib
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 from messages.errors import DrainingError, OverloadedError
-
-
-@dataclass(frozen=True, slots=True)
-class AdmissionLimits:
-    max_in_flight: int  # requests between admission and their final message
-    max_queue: int  # requests waiting for a slot (FIFO); past this they are refused
+from messages.membership import AdmissionLimits
 
 
 class AdmissionController:
@@ -53,6 +47,16 @@ class AdmissionController:
         finally:
             self._held_s += self._EWMA * (time.perf_counter() - started - self._held_s)
             self._release()
+
+    def limits_changed(self) -> None:
+        """Admit waiters the current limits now leave room for (a router's share of the
+        tier's limits grows while nothing of its own finishes)."""
+        limits = self._limits()
+        while self._waiters and self.in_flight < limits.max_in_flight:
+            slot = self._waiters.popleft()
+            if not slot.done():
+                self._take()
+                slot.set_result(None)
 
     def start_draining(self) -> None:
         """Refuse new requests; those admitted or waiting still run."""
@@ -99,7 +103,8 @@ class AdmissionController:
         self._idle.clear()
 
     def _release(self) -> None:
-        while self._waiters:
+        # Hand the slot to the first waiter, unless the limits shrank below what is in flight.
+        while self._waiters and self.in_flight <= self._limits().max_in_flight:
             slot = self._waiters.popleft()
             if not slot.done():
                 slot.set_result(None)

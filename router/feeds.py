@@ -10,7 +10,7 @@ import time
 import uuid
 from typing import Any
 
-from messages.errors import DecodeFailedError, FeedLostError
+from messages.errors import FeedLostError, LegStalledError
 from messages.requests import GenerateRequest
 from messages.results import FEED_FRAME_HEADER_BYTES, FEED_RENEW_S, AbortLeg, FeedAddress, LegEvent, StartLeg
 from messages.transfer import TransferHandle
@@ -56,7 +56,7 @@ class DecodeFeed:
     """This router's feed from the decode actor `name`, and its requests' way in: each is
     started and aborted with a frame on the feed's connection, and reads its own inbox of
     LegEvents; if the feed breaks (the actor died), every request on it gets a FeedLostError,
-    and a request that hears nothing for `stall_timeout_s` gets a DecodeFailedError. Closing
+    and a request that hears nothing for `stall_timeout_s` gets a LegStalledError. Closing
     it ends the feed on the actor, with every request on it; while it runs, the router also
     renews its lease there (which ends a feed whose router vanished without closing it)."""
 
@@ -124,13 +124,13 @@ class DecodeFeed:
             await asyncio.sleep(FEED_RENEW_S)
 
     def fail_stalled(self) -> None:
-        """Every request that has heard nothing for `stall_timeout_s` gets a DecodeFailedError
-        (it then aborts itself on the actor)."""
+        """Every request that has heard nothing for `stall_timeout_s` gets a LegStalledError
+        (it then aborts itself on the actor, and moves to another one)."""
         quiet_since = time.monotonic() - self._stall_timeout_s
         for leg_id, inbox in self._legs.items():
             if inbox.last_event_at < quiet_since:
                 inbox.put(
-                    DecodeFailedError(
+                    LegStalledError(
                         f"decode actor {self.name} sent nothing for {self._stall_timeout_s:.0f}s while serving {leg_id}"
                     )
                 )

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from messages.membership import RouterReport
+from messages.membership import RouterAdmission, RouterReport
 from messages.results import GenerationResult
 from messages.timings import FinishedRequest
 
@@ -33,7 +33,7 @@ class RequestJournal:
         if len(self._finished) > self._max_entries:
             del self._finished[: len(self._finished) - self._max_entries]
 
-    def take(self) -> RouterReport:
-        report = RouterReport(tuple(self._finished), self._arrivals)
+    def take(self, admission: RouterAdmission | None = None) -> RouterReport:
+        report = RouterReport(tuple(self._finished), self._arrivals, admission)
         self._finished, self._arrivals = [], 0
         return report

@@ -8,7 +8,7 @@ import asyncio
 import logging
 from typing import Any
 
-from messages.membership import ClusterView
+from messages.membership import AdmissionLimits, ClusterView, RouterAdmission
 from router import metrics
 from router.journal import RequestJournal
 from cluster.pools import Pool
@@ -17,14 +17,24 @@ log = logging.getLogger(__name__)
 
 
 class ControllerMirror:
-    def __init__(self, controller: Any, view: ClusterView) -> None:
+    def __init__(self, controller: Any, view: ClusterView, router: str = "router") -> None:
         self.controller = controller  # Ray actor handle of controller.actor.PoolController
+        self.router = router  # this router's name, unique in the tier
         self.journal = RequestJournal()  # this router's traffic, reported with each view request
+        # This router's admission counts, reported with each view request, and its share of
+        # the tier's limits that comes back (controller/admission_grants.py).
+        self._admission: RouterAdmission | None = None
+        self.grant: AdmissionLimits | None = None
         self.prefill = Pool("prefill")
         self.decode = Pool("decode")
         self._last_poll = -1
         self._reachable = True
+        self.grant = view.admission_grant  # kept as it was while the controller is unreachable
         self.apply(view)
+
+    def share(self, in_flight: int, waiting: int, limits: AdmissionLimits) -> None:
+        """What this router holds, and the tier's limits: sent with the next view request."""
+        self._admission = RouterAdmission(self.router, in_flight, waiting, limits)
 
     def apply(self, view: ClusterView) -> None:
         new_poll = view.poll != self._last_poll
@@ -37,7 +47,7 @@ class ControllerMirror:
     async def refresh(self, poll_timeout_s: float) -> None:
         """Fetch the latest view. Without the controller, keep routing on the last one:
         a dead engine still shows itself by failing the calls made to it."""
-        report = self.journal.take()
+        report = self.journal.take(self._admission)
         try:
             view = await asyncio.wait_for(self.controller.view.remote(report), poll_timeout_s)
         except Exception as err:
@@ -48,4 +58,5 @@ class ControllerMirror:
         if not self._reachable:
             log.warning("controller reachable again")
         self._reachable = True
+        self.grant = view.admission_grant  # kept as it was while the controller is unreachable
         self.apply(view)

@@ -24,7 +24,7 @@ from typing import AsyncIterator, Literal, Mapping
 import ray
 from ray.exceptions import RayActorError
 
-from messages.errors import DecodeFailedError, FeedLostError, NoWorkerError, PrefillTimeoutError
+from messages.errors import DecodeFailedError, FeedLostError, LegStalledError, NoWorkerError, PrefillTimeoutError
 from messages.requests import GenerateRequest, ModelLimits
 from messages.results import GenerationResult, PrefillResult, TokenChunk
 from configuration.fields import knob
@@ -42,7 +42,9 @@ log = logging.getLogger(__name__)
 class RouterPolicy:
     # Transfer failures follow vLLM's `load_failure_policy` instead.
     on_decode_failure: Literal["migrate", "fail"] = knob(
-        "migrate", help="a decode engine died mid-stream: resume on another one, or end the stream with UNAVAILABLE"
+        "migrate",
+        help="a decode engine died or went silent (--stall-timeout-s) mid-stream: resume on another one, "
+        "or end the stream with UNAVAILABLE",
     )
     max_migrations: int = knob(2, help="resumes one request may make before it fails")
     # At least 3 on CPU hybrids: prefill may compute N-1 tokens and vLLM 0.32's CPU conv
@@ -185,14 +187,16 @@ class Orchestrator:
                 async for chunk in self._decode(decode_member, leg, handle, progress, first):
                     yield chunk
                 break
-            except (RayActorError, FeedLostError) as err:  # the decode actor died
+            # The decode actor died, or went silent (stuck, or cut off from this router): out of
+            # this router's rotation until a load poll reaches it again.
+            except (RayActorError, FeedLostError, LegStalledError) as err:
                 decode_member.mark_dead(f"failed serving {leg.request_id}: {type(err).__name__}")
                 failover = self.failover(migrations)
                 metrics.FAILOVERS.labels(failover.action).inc()
-                log.warning("%s: decode actor %s died: %s", request.request_id, decode_member.name, failover)
+                log.warning("%s: decode %s failed (%s): %s", request.request_id, decode_member.name, err, failover)
                 if failover.action == "fail":
                     raise DecodeFailedError(
-                        f"decode actor {decode_member.name} died while serving {request.request_id}"
+                        f"decode actor {decode_member.name} failed while serving {request.request_id}: {err}"
                     ) from err
                 migrations += 1
                 current = request.continued(tuple(progress.token_ids))

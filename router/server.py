@@ -21,7 +21,8 @@ from messages.membership import ScalingDecision, ScalingOutcome
 from messages.results import GenerationResult
 from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
-from router.admission import AdmissionController, AdmissionLimits
+from messages.membership import AdmissionLimits
+from router.admission import AdmissionController
 from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
 from router.orchestrator import Orchestrator
@@ -130,6 +131,15 @@ class Membership(Protocol):
     async def refresh(self, poll_timeout_s: float) -> None: ...
 
 
+class TierAdmission(Protocol):
+    """One router among several (router/mirror.py): its admission counts go out with each
+    view request, and its share of the tier's limits comes back."""
+
+    grant: AdmissionLimits | None
+
+    def share(self, in_flight: int, waiting: int, limits: AdmissionLimits) -> None: ...
+
+
 # Whoever owns the pools: the controller, or this router's own deployment.
 Scaler = Callable[[ScalingDecision], Awaitable[ScalingOutcome]]
 
@@ -163,10 +173,20 @@ class AdminService(pb_grpc.AdminServicer):
 
 
 def admission_limits(orchestrator: Orchestrator, front: FrontDoorConfig) -> AdmissionLimits:
-    """The decode pool's batch capacity: what its live engines run at once."""
+    """The whole router tier's: configured, or the decode pool's batch capacity (what its
+    live engines run at once)."""
     live = [m for m in orchestrator.decode.live if m.capacity]
     in_flight = front.max_in_flight or max(1, sum(m.capacity.max_num_seqs for m in live))  # type: ignore[union-attr]
     return AdmissionLimits(in_flight, in_flight if front.max_queue is None else front.max_queue)
+
+
+def router_limits(tier_limits: AdmissionLimits, grant: AdmissionLimits | None) -> AdmissionLimits:
+    """What this router admits: the tier's limits, or its grant of them when it shares them."""
+    if grant is None:
+        return tier_limits
+    return AdmissionLimits(
+        min(tier_limits.max_in_flight, grant.max_in_flight), min(tier_limits.max_queue, grant.max_queue)
+    )
 
 
 class RouterServer:
@@ -182,11 +202,16 @@ class RouterServer:
         health_interval_s: float = 0.5,
         scale: Scaler | None = None,
         front: FrontDoorConfig = FrontDoorConfig(),
+        tier: TierAdmission | None = None,
     ) -> None:
+        """`tier`: this router shares its limits with other routers."""
         self.orchestrator = orchestrator
         self.membership = membership
         self.front = front
-        self.admission = AdmissionController(lambda: admission_limits(orchestrator, front))
+        self._tier = tier
+        self.admission = AdmissionController(
+            lambda: router_limits(admission_limits(orchestrator, front), tier.grant if tier else None)
+        )
         self._server = grpc.aio.server(
             interceptors=[AuthInterceptor(front.tokens)] if front.tokens else None,
             options=[
@@ -251,7 +276,10 @@ class RouterServer:
 
     async def _update_health(self) -> None:
         o = self.orchestrator
+        if self._tier is not None:
+            self._tier.share(self.admission.in_flight, self.admission.waiting, admission_limits(o, self.front))
         await self.membership.refresh(poll_timeout_s=max(1.0, 4 * self._health_interval_s))
+        self.admission.limits_changed()
         if self.front.prometheus_sd_file:
             write_targets(Path(self.front.prometheus_sd_file), (o.prefill, o.decode))
         if self.admission.draining:

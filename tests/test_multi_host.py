@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import pytest
 from conftest import wait_until
+from listeners import is_rays_own
 from reference import MAX_TOKENS, PROMPTS, assert_matches, prompt_of
 from sandbox import BridgedHosts, client_env
 
@@ -216,23 +217,6 @@ def wide_listeners(hosts: BridgedHosts, name: str) -> list[tuple[str, str]]:
     return wide
 
 
-def is_rays_own(address: str, command: str) -> bool:
-    """Ray 2.60's servers that bind every interface, with no setting to narrow them: its
-    daemons (GCS, raylet, dashboard agent, dashboard and autoscaler metrics) and the gRPC
-    server of each Ray worker and driver, in the worker port range (Ray's default
-    10002-19999) on any process, pdserve's own included."""
-    port = int(address.rsplit(":", 1)[1])
-    daemons = (
-        "gcs_server",
-        "raylet",
-        "ray::DashboardAgent",
-        "dashboard/agent.py",
-        "dashboard/dashboard.py",
-        "_private/monitor.py",
-    )
-    return 10002 <= port <= 19999 or any(daemon in command for daemon in daemons)
-
-
 # ---- the faults ---------------------------------------------------------------------------
 
 
@@ -286,7 +270,7 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     for name in hosts.hosts:
         wide = wide_listeners(hosts, name)
         print(f"{name}: {len(wide)} listeners on every interface, all Ray's:", [a for a, _ in wide])
-        assert all(is_rays_own(*listener) for listener in wide), wide
+        assert all(is_rays_own(int(address.rsplit(":", 1)[1]), command) for address, command in wide), wide
 
     runs: list[FaultRun] = []
     offset = 0

@@ -18,7 +18,8 @@ from messages.requests import ModelLimits
 from messages.results import GenerationResult, TokenChunk
 from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes
-from router.admission import AdmissionController, AdmissionLimits
+from messages.membership import AdmissionLimits
+from router.admission import AdmissionController
 from router.openai_http import OpenAIFront
 
 MODEL = "edge-model"

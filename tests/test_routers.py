@@ -334,3 +334,41 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
     for tokens, _, _ in results:
         assert_matches(tokens, reference["over_one_block"])
     assert {final.prefill_worker for _, _, final in results} == {m.name for m in after.prefill}
+
+
+def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path):
+    """Admission is the tier's: 4 routers on one port (connections spread by SO_REUSEPORT)
+    with --max-in-flight 8 --max-queue 4 take at most 12 requests of a 60-request burst
+    (each router applying the limits alone would take up to 48), and every one they take
+    completes. Each request holds its slot for far longer than the burst takes to arrive."""
+    import dataclasses
+
+    from router.server import FrontDoorConfig
+    from router.tier import RouterTier
+
+    limit = 8 + 4
+    settings = dataclasses.replace(_settings(model_path), front=FrontDoorConfig(max_in_flight=8, max_queue=4))
+
+    async def one(address: str, i: int) -> str:
+        async with grpc.aio.insecure_channel(address) as channel:  # a connection of its own
+            request = build_request(list(PROMPTS["short"]), f"burst-{i}", max_tokens=160, ignore_eos=True)
+            try:
+                tokens, _, final = await stream_tokens(channel, request, timeout_s=120)
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+            return "OK" if len(tokens) == 160 and final.finish_reason == "length" else "SHORT"
+
+    async def scenario() -> list[str]:
+        tier = RouterTier(controller, settings)
+        try:
+            address = (await tier.start(4))[0].grpc
+            await asyncio.sleep(2)  # a few view intervals: the routers' shares settle
+            return await asyncio.gather(*(one(address, i) for i in range(60)))
+        finally:
+            await tier.drain(30)
+
+    outcomes = run(scenario())
+    taken = len(outcomes) - outcomes.count("RESOURCE_EXHAUSTED")
+    print(f"taken {taken} of 60 (tier limit {limit}, overshoot {taken / limit - 1:+.0%}):", sorted(set(outcomes)))
+    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert limit // 2 <= taken <= limit * 1.1, outcomes

@@ -4,6 +4,8 @@ and controller stopped, every process of its cluster gone."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -15,12 +17,19 @@ import urllib.request
 
 import psutil
 from conftest import run, stream_tokens
+from listeners import is_rays_own
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)  # gRPC binds IPv4 addresses as ::ffff:a.b.c.d
+    return (mapped or address).is_loopback
 
 
 def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_path):
@@ -44,6 +53,17 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
         cluster = [p for p in psutil.Process(serve.pid).children(recursive=True)]
         routers = [p for p in cluster if "RouterActor" in " ".join(p.cmdline())]
         assert len(routers) == 2
+
+        # Told to listen on loopback, nothing of pdserve's listens wider; only Ray's own servers do.
+        wide = []
+        for process in [psutil.Process(serve.pid), *cluster]:
+            with contextlib.suppress(psutil.Error):
+                for sock in process.net_connections(kind="inet"):
+                    listening = sock.status == psutil.CONN_LISTEN or (sock.type == socket.SOCK_DGRAM and not sock.raddr)
+                    if listening and not _is_loopback(sock.laddr.ip):
+                        wide.append((sock.laddr.port, " ".join(process.cmdline())))
+        print(f"{len(wide)} listeners on every interface, all Ray's: {sorted(port for port, _ in wide)}")
+        assert all(is_rays_own(port, command) for port, command in wide), wide
 
         async def through_grpc():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
