@@ -3,11 +3,12 @@
 Each router admits up to the configured in-flight and queue limits; N routers that each
 applied them alone would admit N times as much. Here every router, when it asks for a
 view, reports what it holds and gets a grant: its share of the limits, in proportion to
-its demand (what it holds and queues, plus one), never less than it holds, never more than
-the other routers leave. A grant counts against the others until that router's next report
-replaces it, so the grants never add up to more than the limits, whatever the order of the
-reports; traffic that reaches one router more than the others moves the shares within a
-view interval. It is not a lock per request: a router decides alone between two views.
+its demand (what it holds and queues, plus one; routers of the tier yet to report count
+as idle), never less than it holds, never more than the other routers leave. A grant
+counts against the others until that router's next report replaces it, so the grants
+never add up to more than the limits, whatever the order of the reports; traffic that
+reaches one router more than the others moves the shares within a view interval. It is
+not a lock per request: a router decides alone between two views.
 
 A router that stops reporting (dead, cut off, drained) stops counting after `expiry_s`.
 """
@@ -39,10 +40,16 @@ class AdmissionGrants:
         }
         others = list(self._holdings.values())
         demand = report.in_flight + report.waiting + 1
-        weight = demand / (demand + sum(h.report.in_flight + h.report.waiting + 1 for h in others))
+        yet_to_report = max(0, report.routers - 1 - len(others))  # a starting tier: each counts as idle
+        weight = demand / (demand + sum(h.report.in_flight + h.report.waiting + 1 for h in others) + yet_to_report)
         limits = report.limits
-        in_flight = sum(max(h.grant.max_in_flight, h.report.in_flight) for h in others)
-        waiting = sum(max(h.grant.max_queue, h.report.waiting) for h in others)
+        in_flight = sum(
+            _reserved(h.grant.max_in_flight, h.report.in_flight, h.report.limits.max_in_flight, limits.max_in_flight)
+            for h in others
+        )
+        waiting = sum(
+            _reserved(h.grant.max_queue, h.report.waiting, h.report.limits.max_queue, limits.max_queue) for h in others
+        )
         granted = AdmissionLimits(
             _share(limits.max_in_flight, report.in_flight, in_flight, weight),
             _share(limits.max_queue, report.waiting, waiting, weight),
@@ -53,6 +60,12 @@ class AdmissionGrants:
     def forget(self, router: str) -> None:
         """A router left: its holding counts no more."""
         self._holdings.pop(router, None)
+
+
+def _reserved(granted: int, held: int, limit_then: int, limit_now: int) -> int:
+    """What another router may hold now: its grant, scaled down if the limits shrank since
+    (an engine left: the tier is over its new capacity anyway), and at least what it held."""
+    return max(held, granted if limit_now >= limit_then else granted * limit_now // max(1, limit_then))
 
 
 def _share(limit: int, held: int, held_by_others: int, weight: float) -> int:

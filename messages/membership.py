@@ -62,6 +62,7 @@ class RouterAdmission:
     in_flight: int
     waiting: int
     limits: AdmissionLimits
+    routers: int = 1  # routers its tier was started with: those yet to report count too
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,8 @@ class RouterSettings:
     metrics_port: int = knob(9400, help="router i serves Prometheus metrics on this port + i (0: off)")
     metrics_host: str = knob("127.0.0.1", help="address the metrics endpoints bind")
     health_interval_s: float = knob(0.5, help="seconds between two looks at the controller's view of the pools")
+    # Set by the tier (`serve --routers`): the admission shares leave room for routers yet to report.
+    tier_size: int = knob(1, hidden=True, help="routers the tier starts with")
 
     def __post_init__(self) -> None:
         if self.health_interval_s <= 0:
@@ -74,7 +76,7 @@ class RouterActor:
         tokenizer = AutoTokenizer.from_pretrained(model)
         controller = self._controller
         view = await controller.view.remote()
-        mirror = ControllerMirror(controller, view, self._name)
+        mirror = ControllerMirror(controller, view, self._name, s.tier_size)
         orchestrator = Orchestrator(mirror.prefill, mirror.decode, view.limits, s.policy, mirror.journal)
 
         async def scale(decision: ScalingDecision) -> ScalingOutcome:

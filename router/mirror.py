@@ -17,9 +17,10 @@ log = logging.getLogger(__name__)
 
 
 class ControllerMirror:
-    def __init__(self, controller: Any, view: ClusterView, router: str = "router") -> None:
+    def __init__(self, controller: Any, view: ClusterView, router: str = "router", tier_size: int = 1) -> None:
         self.controller = controller  # Ray actor handle of controller.actor.PoolController
         self.router = router  # this router's name, unique in the tier
+        self.tier_size = tier_size
         self.journal = RequestJournal()  # this router's traffic, reported with each view request
         # This router's admission counts, reported with each view request, and its share of
         # the tier's limits that comes back (controller/admission_grants.py).
@@ -34,7 +35,7 @@ class ControllerMirror:
 
     def share(self, in_flight: int, waiting: int, limits: AdmissionLimits) -> None:
         """What this router holds, and the tier's limits: sent with the next view request."""
-        self._admission = RouterAdmission(self.router, in_flight, waiting, limits)
+        self._admission = RouterAdmission(self.router, in_flight, waiting, limits, self.tier_size)
 
     def apply(self, view: ClusterView) -> None:
         new_poll = view.poll != self._last_poll

@@ -44,6 +44,7 @@ class RouterTier:
     async def start(self, count: int) -> list[RouterAddresses]:
         if count < 1:
             raise ValueError(f"--routers {count}: at least one router must take traffic")
+        self._settings = dataclasses.replace(self._settings, tier_size=count)
         first = await self._add(0)
         # The others bind the ports the first one got (a listen port of 0 picks a free one).
         self._settings = dataclasses.replace(self._settings, listen=first.grpc, http=first.http)

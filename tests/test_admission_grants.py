@@ -92,3 +92,11 @@ def test_waiters_are_admitted_when_the_share_grows_and_not_handed_slots_past_a_s
         return seen
 
     assert asyncio.run(scenario()) == [1, 3, 2, 0]
+
+
+def test_the_first_router_of_a_starting_tier_leaves_room_for_the_others():
+    grants = AdmissionGrants()
+    first = grants.grant(RouterAdmission("r0", 0, 0, LIMITS, routers=4), now=0.0)
+    assert first == AdmissionLimits(4, 2)
+    later = [grants.grant(RouterAdmission(f"r{i}", 0, 0, LIMITS, routers=4), now=0.1) for i in (1, 2, 3)]
+    assert all(g.max_in_flight == 4 for g in later) and sum(g.max_queue for g in [first, *later]) == LIMITS.max_queue

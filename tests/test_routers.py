@@ -62,7 +62,7 @@ def _settings(model_path: str):  # noqa: ANN202
     """A router on a free port, without a metrics endpoint."""
     from router.actor import RouterSettings
 
-    return RouterSettings(model=model_path, listen="127.0.0.1:0", metrics_port=0, health_interval_s=0.2)
+    return RouterSettings(model=model_path, listen="127.0.0.1:0", metrics_port=0, health_interval_s=0.2, tier_size=2)
 
 
 def _router(controller, model_path, name):
@@ -76,10 +76,12 @@ def _router(controller, model_path, name):
 
 @pytest.fixture
 def routers(ray_cluster, controller, model_path):
-    made = [_router(controller, model_path, name) for name in ("router-a", "router-b")]
+    names = ("router-a", "router-b")
+    made = [_router(controller, model_path, name) for name in names]
     yield made
-    for actor, _ in made:
+    for (actor, _), name in zip(made, names):
         ray_cluster.kill(actor, no_restart=True)
+        ray_cluster.get(controller.router_left.remote(name))  # its admission share is free at once
 
 
 def _engines_idle(ray, controller) -> bool:
@@ -350,7 +352,8 @@ def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster,
     settings = dataclasses.replace(_settings(model_path), front=FrontDoorConfig(max_in_flight=8, max_queue=4))
 
     async def one(address: str, i: int) -> str:
-        async with grpc.aio.insecure_channel(address) as channel:  # a connection of its own
+        # A connection of its own (gRPC otherwise shares one among channels to one address).
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
             request = build_request(list(PROMPTS["short"]), f"burst-{i}", max_tokens=160, ignore_eos=True)
             try:
                 tokens, _, final = await stream_tokens(channel, request, timeout_s=120)

@@ -17,7 +17,7 @@ import urllib.request
 
 import psutil
 from conftest import run, stream_tokens
-from listeners import is_rays_own
+from listeners import not_rays
 
 
 def _free_port() -> int:
@@ -61,9 +61,9 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
                 for sock in process.net_connections(kind="inet"):
                     listening = sock.status == psutil.CONN_LISTEN or (sock.type == socket.SOCK_DGRAM and not sock.raddr)
                     if listening and not _is_loopback(sock.laddr.ip):
-                        wide.append((sock.laddr.port, " ".join(process.cmdline())))
-        print(f"{len(wide)} listeners on every interface, all Ray's: {sorted(port for port, _ in wide)}")
-        assert all(is_rays_own(port, command) for port, command in wide), wide
+                        wide.append((process.pid, sock.laddr.port, " ".join(process.cmdline())))
+        print(f"{len(wide)} listeners on every interface, all Ray's: {sorted(port for _, port, _ in wide)}")
+        assert not_rays(wide) == []
 
         async def through_grpc():
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
