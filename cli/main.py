@@ -146,6 +146,8 @@ async def _serve(config: "ServeConfig") -> int:
             "warning: --allow-unauthenticated: anyone who reaches the front door may generate and resize",
             file=sys.stderr,
         )
+    if deployment.num_prefill and (slow := deployment.transfer.fabric_warning(deployment.engine.device)):
+        print(f"warning: {slow}", file=sys.stderr)
     print(f"serving pdserve.v1.Generation on {first.grpc}{shared}", file=sys.stderr)
     if first.http:
         print(f"serving the OpenAI API on http{'s' if front.tls else ''}://{first.http}/v1{shared}", file=sys.stderr)

@@ -16,6 +16,7 @@ from enum import Enum
 from typing import Any, Literal
 
 from configuration.fields import knob
+from kv_transfer.fabrics import FABRICS
 from kv_transfer.layout import HYBRID_TRANSFER_ENV
 from kv_transfer.progress_thread import PROGRESS_POLL_ENV
 
@@ -48,21 +49,41 @@ class TransferConfig:
         parse=lambda text: None if text == "none" else int(text),
         help="NIXL progress thread: 'none', 0 (NIXL's spinning thread) or N >= 1000 (asleep in poll, N us at most)",
     )
-    backends: tuple[str, ...] = knob(("UCX",), help="NIXL backends, in order of preference")
+    fabric: Literal["auto", "tcp", "efa", "infiniband", "roce"] = knob(
+        "auto", help="the network NIXL moves state over: its backends and environment (docs/deploy.md#fabrics)"
+    )
+    backends: tuple[str, ...] | None = knob(None, help="NIXL backends, in order of preference (unset: the fabric's)")
     handle_margin_s: float = knob(
         1.0, help="decode refuses a handle with less lease left than this: its blocks could be freed mid-read"
     )
     # vLLM 0.32 has a handshake timeout but none on a READ from a live but stalled peer.
     transfer_timeout_s: float = knob(30.0, help="decode gives up on a pull that produced no first token in this long")
-    ucx_transports: str | None = knob(None, help="UCX_TLS, e.g. 'tcp' (unset: UCX chooses; shared memory on one host)")
+    ucx_transports: str | None = knob(None, help="UCX_TLS, e.g. 'tcp' (unset: the fabric's)")
+    ucx_net_devices: str | None = knob(None, help="UCX_NET_DEVICES, e.g. 'mlx5_0:1,mlx5_1:1' (unset: UCX uses all)")
+
+    @property
+    def nixl_backends(self) -> tuple[str, ...]:
+        return self.backends or FABRICS[self.fabric].backends
+
+    def fabric_warning(self, device: str) -> str | None:
+        """Why this transfer setting may be slow for engines on `device`, if it may."""
+        tcp_only = (self.ucx_transports or FABRICS[self.fabric].env.get("UCX_TLS", "")).split(",") == ["tcp"]
+        if device == "cuda" and tcp_only and "UCX" in self.nixl_backends:
+            return (
+                "GPU engines with UCX over TCP only: KV and state go through host memory and the kernel's TCP "
+                "stack, a fraction of an RDMA NIC's rate. Choose --fabric efa, infiniband or roce for the NICs"
+            )
+        return None
 
     def process_env(self) -> dict[str, str]:
         """Environment of every process of an engine with this transfer (read there by
         vllm_engine.vllm_plugin and by UCX)."""
         poll = self.nixl_progress_poll_us
-        env = {PROGRESS_POLL_ENV: "none" if poll is None else str(poll)}
+        env = {**FABRICS[self.fabric].env, PROGRESS_POLL_ENV: "none" if poll is None else str(poll)}
         if self.ucx_transports:
             env["UCX_TLS"] = self.ucx_transports
+        if self.ucx_net_devices:
+            env["UCX_NET_DEVICES"] = self.ucx_net_devices
         return env
 
     def __post_init__(self) -> None:
@@ -76,7 +97,9 @@ class TransferConfig:
             raise ValueError(f"handle_margin_s {self.handle_margin_s} must be in [0, lease_s {self.lease_s})")
         if self.transfer_timeout_s <= 0:
             raise ValueError(f"transfer_timeout_s must be > 0, got {self.transfer_timeout_s}")
-        if not self.backends:
+        if self.fabric not in FABRICS:
+            raise ValueError(f"fabric {self.fabric!r}: one of {', '.join(FABRICS)}")
+        if self.backends is not None and not self.backends:
             raise ValueError("backends: name at least one NIXL backend, e.g. UCX")
 
     def kv_transfer_config(self, role: Role, engine_id: str) -> Any:
@@ -90,7 +113,7 @@ class TransferConfig:
             kv_load_failure_policy=self.load_failure_policy,
             kv_connector_extra_config={
                 "kv_lease_duration": self.lease_s,
-                "backends": list(self.backends),
+                "backends": list(self.nixl_backends),
             },
         )
 

@@ -359,10 +359,38 @@ def test_aws_security_group_opens_ssh_and_grpc_to_the_configured_ranges_only():
     assert cidrs and not any(_world_open(c) for c in cidrs), cidrs
     assert "0.0.0.0/0" not in (DEPLOY / "aws-h100.yaml").read_text().split("#")[0]
     # Ray's own group would add SSH from 0.0.0.0/0: every node type names the group made from
-    # the rules above instead, so Ray creates and edits no group.
+    # the rules above instead (on its EFA interfaces, for the GPU nodes), so Ray creates and
+    # edits no group. With NetworkInterfaces, Ray's AWS bootstrap takes every interface's
+    # Groups as the node's (and refuses SecurityGroupIds beside them).
+    groups = set()
     for name, node_type in config["available_node_types"].items():
-        assert node_type["node_config"].get("SecurityGroupIds"), f"{name} would get Ray's world-open SSH"
-    assert len({tuple(t["node_config"]["SecurityGroupIds"]) for t in config["available_node_types"].values()}) == 1
+        node_config = node_type["node_config"]
+        if "NetworkInterfaces" in node_config:
+            assert "SecurityGroupIds" not in node_config, name
+            per_card = [card.get("Groups") for card in node_config["NetworkInterfaces"]]
+            assert all(per_card), f"{name} would get Ray's world-open SSH"
+            groups |= {g for card in per_card for g in card}
+        else:
+            assert node_config.get("SecurityGroupIds"), f"{name} would get Ray's world-open SSH"
+            groups |= set(node_config["SecurityGroupIds"])
+    assert len(groups) == 1
+
+
+def test_aws_pool_nodes_carry_every_efa_card_in_one_placement_group():
+    """KV moves between p5 nodes over EFA (--fabric efa): all 32 network cards as EFA
+    interfaces, the nodes in one cluster placement group, and the fabric's NIXL backend
+    among the installed NIXL's plugins (its libfabric is the AMI's, absent here)."""
+    from kv_transfer.fabrics import FABRICS
+
+    config = load("aws-h100.yaml")
+    for name in ("prefill", "decode"):
+        node_config = config["available_node_types"][name]["node_config"]
+        cards = node_config["NetworkInterfaces"]
+        assert sorted(c["NetworkCardIndex"] for c in cards) == list(range(32)), name
+        assert {c["InterfaceType"] for c in cards} == {"efa"} and cards[0]["DeviceIndex"] == 0
+        assert node_config["Placement"]["GroupName"]
+    assert "--fabric efa" in (DEPLOY / "aws-h100.yaml").read_text()
+    assert FABRICS["efa"].backends == ("LIBFABRIC",)
 
 
 class FakeEC2:
