@@ -165,3 +165,19 @@ def test_cli_exits_2_when_one_request_does_not_fit(tmp_path, capsys):
     config.write_text(json.dumps(QWEN35_27B))
     assert main(["--config", str(config), "--kv-cache-bytes", "64MiB"]) == 2
     assert "blocks" in capsys.readouterr().err
+
+
+def test_plan_gives_the_27b_requests_transfer_time_per_link(tmp_path, capsys):
+    """2,000 prompt tokens of the 27B at TP 4: KV of 2,352 tokens (three 784-token blocks) plus
+    the DeltaNet state, 308 MB; at 400 Gbit/s line rate that is 6.2 ms."""
+    plan = qwen_27b(tensor_parallel_size=4)
+    moved = plan.bytes_moved_attention + plan.bytes_moved_state
+    assert plan.bytes_moved_attention == 3 * 784 * 64 * KiB
+    assert plan.bytes_moved_state == 144 * MiB + 2_949_120
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(QWEN35_27B))
+    argv = ["--config", str(config), "--device", "cuda", "--tp", "4", "--link-gbits", "400", "3200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert moved == 308_084_736
+    assert "6.2 ms at 400 Gbit/s, 770 us at 3200 Gbit/s" in out

@@ -48,6 +48,11 @@ class PlanConfig:
     context: int | None = knob(
         default_of(SizingInputs, "context"), help="tokens per request, for concurrency (unset: --max-model-len)"
     )
+    link_gbit_s: tuple[float, ...] = knob(
+        default_of(SizingInputs, "link_gbit_s"),
+        flag="link-gbits",
+        help="link rates, Gbit/s, for the transfer time per request (NIXL reaches a share of line rate)",
+    )
 
     def __post_init__(self) -> None:
         if self.config is not None and self.engine.model != EMBEDDED_MODEL:
@@ -56,6 +61,8 @@ class PlanConfig:
             raise ValueError(f"gpu_memory_gib must be > 0, got {self.gpu_memory_gib}")
         if self.prompt_tokens < 1:
             raise ValueError(f"prompt_tokens must be >= 1, got {self.prompt_tokens}")
+        if any(rate <= 0 for rate in self.link_gbit_s):
+            raise ValueError(f"link_gbit_s: rates must be > 0, got {self.link_gbit_s}")
         if self.context is not None and self.context < 1:
             raise ValueError(f"context must be >= 1, got {self.context}")
 
@@ -87,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 gpu_memory_bytes=int(config.gpu_memory_gib * GiB),
                 context=config.context,
                 prompt_tokens=config.prompt_tokens,
+                link_gbit_s=config.link_gbit_s,
             )
             for role in ("prefill", "decode")
         }

@@ -227,6 +227,9 @@ class SizingInputs:
     mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
     prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
+    # Links for the transfer-time figure, Gbit/s: 25 GbE, 100 GbE, one 400G NIC (IB NDR), and
+    # a p5's 32 EFA cards together.
+    link_gbit_s: tuple[float, ...] = (25.0, 100.0, 400.0, 3200.0)
     prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")  # hybrids: align mode
 
     def __post_init__(self) -> None:
@@ -491,9 +494,18 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
             f"{plan.bytes_moved_attention:,} + DeltaNet state {plan.bytes_moved_state:,} (all ranks)",
         )
     )
+    if i.link_gbit_s:
+        times = ", ".join(f"{_ms(moved * 8 / (rate * 1e9))} at {rate:g} Gbit/s" for rate in i.link_gbit_s)
+        rows.append(("transfer time at line rate", times))
     width = max(len(label) for label, _ in rows)
     header = f"{title}: {i.device}, TP {i.tensor_parallel_size}, max_model_len {i.max_model_len:,}"
     return "\n".join([header, *(f"  {label:<{width}}  {value}" for label, value in rows)])
+
+
+def _ms(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:,.0f} us"
+    return f"{seconds * 1e3:,.1f} ms" if seconds < 10 else f"{seconds:,.0f} s"
 
 
 def _reuse(plan: EnginePlan) -> str:
