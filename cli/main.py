@@ -132,6 +132,10 @@ async def _serve(config: "ServeConfig") -> int:
         await _remote(controller.start.remote() if created else controller.view.remote())
         for name, summary in (await controller.capacities.remote()).items():
             print(f"  {name}: {summary}", file=sys.stderr)
+        for link in await controller.links.remote():
+            print(f"  link {link.summary()}", file=sys.stderr)
+            if slow := link.warning(deployment.transfer.link_floor_gbit_s):
+                print(f"warning: {slow}", file=sys.stderr)
         # The controller keeps the Prometheus target file.
         settings = dataclasses.replace(router, front=dataclasses.replace(front, prometheus_sd_file=None))
         tier = RouterTier(controller, settings)

@@ -19,6 +19,7 @@ import ray
 
 from controller.admission_grants import AdmissionGrants
 from controller.deployment import Deployment, DeploymentConfig
+from kv_transfer.link_probe import LinkMeasurement
 from controller.planning import PlannerSetup, PlanningLoop
 from messages.membership import ClusterView, MemberState, RouterReport, ScalingDecision, ScalingOutcome
 from cluster.pools import Member
@@ -98,6 +99,10 @@ class PoolController:
             dep.health.polls,
             self._admission.grant(admission, time.monotonic()) if admission is not None else None,
         )
+
+    def links(self) -> list[LinkMeasurement]:
+        """Each prefill/decode pair's start-up READ."""
+        return self._deployment.links
 
     def capacities(self) -> dict[str, str]:
         return {name: capacity.summary() for name, capacity in self._deployment.capacities.items()}

@@ -24,6 +24,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configuration.fields import knob, section
 from kv_transfer.connector_config import TransferConfig
+from kv_transfer.link_probe import LinkMeasurement
+from kv_transfer.metrics import LINK_GBITS
 from messages.membership import ScalingDecision, ScalingOutcome
 from messages.reports import EngineCapacity
 from messages.requests import ModelLimits
@@ -34,6 +36,7 @@ from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE
 from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 
 log = logging.getLogger(__name__)
+LINK_PROBE_TIMEOUT_S = 60.0  # a request-sized READ on the slowest link worth serving on
 
 
 def default_cpu_cores() -> tuple[str, ...] | None:
@@ -170,6 +173,7 @@ class Deployment:
         self.limits: ModelLimits | None = None
         self.orchestrator: Orchestrator | None = None
         self.capacities: dict[str, EngineCapacity] = {}
+        self.links: list[LinkMeasurement] = []  # measured at start, one per prefill/decode pair
         self._next_core = 0  # CPU cores are handed out in turn
         self._named = {"prefill": 0, "decode": 0, "engine": 0}  # actor names are never reused
         self._placements: dict[str, PlacementGroup] = {}
@@ -184,8 +188,34 @@ class Deployment:
         await self._ready(members)
         self.limits = await members[0].actor.model_limits.remote()
         await self.health.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
+        self.links = await self._measure_links()
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
         return self.orchestrator
+
+    async def _measure_links(self) -> list[LinkMeasurement]:
+        """One READ of `link_probe_bytes` from every prefill engine by every decode engine, a
+        pair at a time (pairs would share the links). A failed probe is logged, not fatal:
+        the requests' own transfers then say more."""
+        nbytes = self.config.transfer.link_probe_bytes
+        if not nbytes or not self.config.num_prefill:
+            return []
+        measured = []
+        for source in self.prefill.members:
+            for reader in self.decode.members:
+                offer = await source.actor.probe_offer.remote(nbytes)
+                serving = source.actor.probe_serve.remote(LINK_PROBE_TIMEOUT_S)
+                try:
+                    seconds = await reader.actor.probe_read.remote(offer, LINK_PROBE_TIMEOUT_S)
+                except Exception as err:
+                    log.warning("link probe %s -> %s failed: %s", source.name, reader.name, err)
+                    continue
+                finally:
+                    await serving
+                link = LinkMeasurement(source.name, reader.name, nbytes, seconds)
+                LINK_GBITS.labels(source.name, reader.name).set(link.gbit_s)
+                log.info("link %s", link.summary())
+                measured.append(link)
+        return measured
 
     async def resize(self, decision: ScalingDecision, drain_timeout_s: float = 300.0) -> ScalingOutcome:
         """Grow or shrink the live pools. New actors are handshaken before they take traffic;

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _BYTES = tuple(float(2**p) for p in range(12, 36, 2))  # 4 KiB .. 32 GiB
@@ -26,6 +26,9 @@ TRANSFER_BANDWIDTH = Histogram(
 )
 TRANSFER_DESCRIPTORS = Histogram(
     "pdserve_nixl_transfer_descriptors", "NIXL descriptors in one READ", buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384)
+)
+LINK_GBITS = Gauge(
+    "pdserve_link_gbits", "Gbit/s of the start-up READ from a prefill to a decode engine", ["prefill", "decode"]
 )
 TRANSFER_FAILURES = Counter("pdserve_nixl_transfer_failures_total", "Failed transfers by cause", ["cause"])
 STATE_BYTES = Counter("pdserve_transfer_state_bytes_total", "State bytes pulled by decode, by kind", ["kind"])

@@ -50,6 +50,10 @@ def test_every_pair_is_handshaken_before_traffic(deployment):
     dep, orchestrator = deployment
     assert set(dep.health.handshakes) == {("prefill-0", "decode-0")}
     assert all(m.live for m in orchestrator.prefill.members + orchestrator.decode.members)
+    # And each pair's link was measured by a real READ of a request-sized buffer.
+    (link,) = dep.links
+    assert (link.source, link.reader, link.nbytes) == ("prefill-0", "decode-0", dep.config.transfer.link_probe_bytes)
+    assert link.gbit_s > 0 and link.warning(floor_gbit_s=1e9) is not None and link.warning(0) is None
 
 
 def test_each_engine_keeps_to_its_own_core(deployment):

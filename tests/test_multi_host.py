@@ -251,6 +251,11 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     )
     serve_log = sandbox.logs / "serve.log"
     assert wait_until(lambda: "serving pdserve.v1.Generation" in serve_log.read_text(), 240, 1), serve_log.read_text()
+    # serve measured each prefill/decode pair's link with a READ across hosts at start-up.
+    links = re.findall(r"link (prefill-0 -> decode-\d): .* ([\d.,]+) Gbit/s", serve_log.read_text())
+    print("start-up links:", links)
+    assert sorted(pair for pair, _ in links) == ["prefill-0 -> decode-0", "prefill-0 -> decode-1"]
+    assert all(float(rate.replace(",", "")) > 0 for _, rate in links)
     driver = Driver(hosts, target, ray_address)
 
     # One generation crosses hosts and equals colocated serving.

@@ -13,6 +13,8 @@ from kv_transfer.connector import Connector
 from kv_transfer.connector_config import Role, TransferConfig
 from kv_transfer.consumer import TransferConsumer
 from kv_transfer.layout import StateLayout
+from kv_transfer.link_probe import ProbeSource
+from kv_transfer.link_probe import read as read_probe
 from kv_transfer.metrics import serve_metrics
 from kv_transfer.producer import TransferProducer
 from messages.reports import EngineCapacity, EngineLoad
@@ -44,6 +46,8 @@ class EngineWorker:
         node address, where its NIXL side channel listens."""
         self.name = name
         self._config = engine_config
+        self._transfer = transfer
+        self._probe: ProbeSource | None = None
         # Its KV cache events feed the prefix index routers ask (vllm_engine.prefix_index).
         self._events = EventSockets.private() if engine_config.enable_prefix_caching else None
         events_config = self._events.kv_events_config() if self._events else None
@@ -114,6 +118,30 @@ class EngineWorker:
     def prefix_index_blocks(self) -> int:
         """Block hashes the prefix index holds, every KV-cache group counted."""
         return len(self._prefix_index) if self._prefix_index is not None else 0
+
+    # ---- the start-up link probe (kv_transfer/link_probe.py) ----
+
+    def _probe_backends(self) -> tuple[str, ...]:
+        if self._transfer is None:
+            raise RuntimeError(f"{self.name} is colocated: it moves no state, there is no link to measure")
+        os.environ.update(self._transfer.process_env())  # the probe's agent reads UCX's settings as the engine's
+        return self._transfer.nixl_backends
+
+    def probe_offer(self, nbytes: int) -> bytes:
+        """Register `nbytes` for one READ by a decode engine; returns what it needs to read them."""
+        self._probe = ProbeSource(nbytes, self._probe_backends())
+        return self._probe.offer
+
+    async def probe_serve(self, timeout_s: float) -> bool:
+        """Answer the READ of the offered buffer until it is done or `timeout_s` passes."""
+        probe, self._probe = self._probe, None
+        if probe is None:
+            raise RuntimeError("probe_offer first")
+        return await probe.serve(timeout_s)
+
+    async def probe_read(self, offer: bytes, timeout_s: float) -> float:
+        """READ a prefill engine's offered buffer once; the seconds it took."""
+        return await read_probe(offer, self._probe_backends(), timeout_s)
 
     def engine_path(self) -> str:
         return self._config.path
