@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from controller.admission_grants import AdmissionGrants
 from controller.deployment import Deployment, DeploymentConfig
@@ -157,5 +158,9 @@ def controller_for(
         return ray.get_actor(name), False
     except ValueError:
         pass
-    handle = PoolController.options(name=name, lifetime="detached")
+    # On the node `serve` runs on (the head, beside the routers), not wherever Ray finds room:
+    # on an engine's node, losing that node would take the controller, and with it every
+    # engine it owns.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    handle = PoolController.options(name=name, lifetime="detached", scheduling_strategy=here)
     return handle.remote(config, prometheus_sd_file=prometheus_sd_file, planner=planner), True

@@ -129,7 +129,8 @@ def _engine_loads() -> dict:
 def drive(target: str, ray_address: str) -> None:
     """Commands: {"do": "start", "offset": N} starts LOAD_REQUESTS generations in the
     background; {"do": "results"} waits for them; {"do": "generate", "prompt_file": F,
-    "max_tokens": N} runs one; {"do": "loads"} reports the engines."""
+    "max_tokens": N} runs one; {"do": "controller_host"} is the controller's node address;
+    {"do": "loads"} reports the engines."""
     import ray
 
     ray.init(address=ray_address, namespace="pdserve", log_to_driver=False)
@@ -153,6 +154,11 @@ def drive(target: str, ray_address: str) -> None:
         elif command["do"] == "results":
             background.pop("thread").join()
             answer = background.pop("results")
+        elif command["do"] == "controller_host":
+            from controller.actor import CONTROLLER_NAME
+
+            controller = ray.get_actor(CONTROLLER_NAME)
+            answer = ray.get(controller.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()))
         elif command["do"] == "generate":
             prompt = json.loads(open(command["prompt_file"]).read())
             answer = asyncio.run(_generate(target, prompt, command["max_tokens"]))
@@ -258,6 +264,8 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     assert all(float(rate.replace(",", "")) > 0 for _, rate in links)
     driver = Driver(hosts, target, ray_address)
 
+    # The controller runs beside serve, on the head: losing an engine host cannot take it.
+    assert driver.ask(do="controller_host") == head
     # One generation crosses hosts and equals colocated serving.
     generation = driver.ask(do="generate", prompt_file="/root/prompt.json", max_tokens=MAX_TOKENS)
     assert generation["status"] == "OK", generation
