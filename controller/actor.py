@@ -158,9 +158,10 @@ def controller_for(
         return ray.get_actor(name), False
     except ValueError:
         pass
-    # On the node `serve` runs on (the head, beside the routers), not wherever Ray finds room:
-    # on an engine's node, losing that node would take the controller, and with it every
-    # engine it owns.
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    # On the node `serve` runs on (the head, beside the routers), not on a random node (where
+    # Ray puts an actor that needs no resources, soft affinity included): on an engine's node,
+    # losing that node would take the controller, and with it every engine it owns. It needs
+    # no resources, so that node always has room.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     handle = PoolController.options(name=name, lifetime="detached", scheduling_strategy=here)
     return handle.remote(config, prometheus_sd_file=prometheus_sd_file, planner=planner), True
