@@ -64,15 +64,18 @@ def start_cluster(hosts: BridgedHosts, workers: dict[str, str]) -> None:
         env=client_env(),
         check=True,
     )
-    for name, resource in workers.items():
-        hosts.run(
+    joining = {
+        name: hosts.spawn(
             name,
             f"ray start --address={head}:{RAY_PORT} --node-ip-address={hosts[name].ip} {common} "
             f"--resources='{json.dumps({resource: 1})}'",
-            timeout=90,
+            f"ray-start-{name}.log",
             env=client_env(**UCX_REPORT),
-            check=True,
         )
+        for name, resource in workers.items()
+    }
+    for name, start in joining.items():  # at once: each mostly waits for its own raylet
+        assert start.wait(timeout=90) == 0, (hosts.box.logs / f"ray-start-{name}.log").read_text()[-3000:]
 
 
 # ---- the driver: runs on the head, answers one JSON command per stdin line ------------------
