@@ -65,6 +65,8 @@ class LocalStack:
             orchestrator = self.orchestrator if self.deployment.orchestrator else await self.deployment.start()
             for name, capacity in self.deployment.capacities.items():
                 self._say(f"  {name}: {capacity.summary()}")
+            for link in self.deployment.links:
+                self._say(f"  link {link.summary()}")
             tokenize = self.tokenizer.encode if self.tokenizer is not None else _no_text_prompts
             self.server = RouterServer(
                 orchestrator,
