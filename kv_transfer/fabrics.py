@@ -17,46 +17,31 @@ class Fabric:
     name: str
     backends: tuple[str, ...]  # NIXL backends, in order of preference
     env: Mapping[str, str] = field(default_factory=dict)
-    rdma: bool = False  # moves GPU memory NIC to NIC, without host copies
-    summary: str = ""
 
+
+# UCX's RC verbs transport with GPUDirect RDMA (InfiniBand and RoCE); cuda_copy/cuda_ipc for
+# GPU memory on the node.
+UCX_VERBS = {"UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_IB_GPU_DIRECT_RDMA": "yes"}
 
 FABRICS: dict[str, Fabric] = {
     f.name: f
     for f in (
-        Fabric(
-            "auto",
-            ("UCX",),
-            summary="UCX picks: shared memory or cma on one host; between hosts RDMA where it finds a device, else TCP",
-        ),
-        Fabric("tcp", ("UCX",), {"UCX_TLS": "tcp"}, summary="UCX over TCP only: any network, no RDMA"),
-        # AWS p4d/p5: EFA's SRD through libfabric; FI_EFA_USE_DEVICE_RDMA turns on GPUDirect RDMA
-        # (p4d and later); the nodes need the EFA interfaces and a cluster placement group
+        # UCX picks: shared memory or cma on one host; between hosts RDMA where it finds a
+        # device, else TCP.
+        Fabric("auto", ("UCX",)),
+        Fabric("tcp", ("UCX",), {"UCX_TLS": "tcp"}),
+        # AWS p4d/p5: EFA's SRD through NIXL's libfabric backend; FI_EFA_USE_DEVICE_RDMA turns
+        # on GPUDirect RDMA; the nodes need the EFA interfaces and a cluster placement group
         # (deploy/aws-h100.yaml).
         Fabric(
             "efa",
             ("LIBFABRIC",),
             {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_HMEM_CUDA_USE_GDRCOPY": "1"},
-            rdma=True,
-            summary="AWS EFA: NIXL's libfabric backend, EFA provider, GPUDirect RDMA",
         ),
-        # UCX's RC verbs transport with GPUDirect RDMA; cuda_copy/cuda_ipc for GPU memory on
-        # the node. Name the HCAs with --ucx-net-devices (e.g. mlx5_0:1,mlx5_1:1).
-        Fabric(
-            "infiniband",
-            ("UCX",),
-            {"UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_IB_GPU_DIRECT_RDMA": "yes"},
-            rdma=True,
-            summary="InfiniBand: UCX RC verbs with GPUDirect RDMA",
-        ),
+        # Name the HCAs with --ucx-net-devices (e.g. mlx5_0:1,mlx5_1:1).
+        Fabric("infiniband", ("UCX",), UCX_VERBS),
         # RoCE v2 needs the GID of the RoCE v2 address: index 3 on a default Mellanox setup
         # (`show_gids` lists them); a lossless (PFC/ECN) fabric is the network's job.
-        Fabric(
-            "roce",
-            ("UCX",),
-            {"UCX_TLS": "rc,cuda_copy,cuda_ipc", "UCX_IB_GPU_DIRECT_RDMA": "yes", "UCX_IB_GID_INDEX": "3"},
-            rdma=True,
-            summary="RoCE v2: UCX RC verbs with GPUDirect RDMA, RoCE v2 GID index 3",
-        ),
+        Fabric("roce", ("UCX",), {**UCX_VERBS, "UCX_IB_GID_INDEX": "3"}),
     )
 }
