@@ -1,11 +1,13 @@
 """Known answers for engine sizing from config.json (no vLLM, no weights)."""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
 
 from vllm_engine.plan_cli import main
-from vllm_engine.sizing import KiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine
+from vllm_engine.sizing import GiB, KiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine
 
 # Qwen3.5-27B's language model, from its public config.json.
 QWEN35_27B = {
@@ -181,3 +183,77 @@ def test_plan_gives_the_27b_requests_transfer_time_per_link(tmp_path, capsys):
     out = capsys.readouterr().out
     assert moved == 308_084_736
     assert "6.2 ms at 400 Gbit/s, 770 us at 3200 Gbit/s" in out
+
+
+# Published config.json shapes (language model fields only), shipped beside these tests.
+MODEL_CONFIGS = Path(__file__).parent / "model_configs"
+
+
+def published(name: str) -> ModelShape:
+    return ModelShape.from_config(json.loads((MODEL_CONFIGS / name).read_text()))
+
+
+def test_qwen35_397b_a17b_at_tp8():
+    """The MoE hybrid at its usual TP 8: 2 KV heads over 8 ranks leave one replicated head per
+    rank; 64 DeltaNet value heads split 8 ways; 15 attention and 45 DeltaNet layers make one
+    attention group and three DeltaNet groups of 15 layers."""
+    shape = published("qwen3_5-397b-a17b.json")
+    assert (shape.num_full_layers, shape.num_linear_layers, shape.num_experts) == (15, 45, 512)
+    assert abs(shape.param_count() - 397e9) < 0.02 * 397e9
+    plan = plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=8, gpu_memory_bytes=141 * GiB))
+    assert (plan.kv_bytes_per_token, plan.kv_bytes_per_token_per_rank) == (15 * 2 * 2 * 256 * 2, 15 * 2 * 256 * 2)
+    assert plan.temporal_bytes_per_request == 45 * 64 * 128 * 128 * 4 == 180 * MiB
+    assert plan.temporal_bytes_per_request_per_rank == 180 * MiB // 8
+    assert plan.conv_bytes_per_request == 45 * 3 * (2 * 16 * 128 + 64 * 128) * 2 == 3_317_760
+    # One layer's state per rank, 8 heads x 64 KiB + conv 9 KiB, over 1 KiB per token, in 16s.
+    assert plan.block_size == 16 * math.ceil((8 * 64 * KiB + 3 * 1536 * 2) / (16 * KiB)) == 528
+    assert (plan.layers_per_group, plan.num_linear_groups, plan.num_full_groups) == (15, 3, 1)
+    assert plan.page_bytes == 15 * 528 * KiB
+    assert plan.num_blocks == plan.kv_cache_bytes_per_rank // plan.page_bytes
+    # 2,000 tokens: four 528-token blocks of KV on each of 8 ranks, and every rank's state.
+    assert plan.bytes_moved_attention == 4 * 528 * 15 * KiB * 8 == 259_522_560
+    assert plan.bytes_moved_state == 180 * MiB + 3_317_760 == 192_061_440
+    plan.check()
+    with pytest.raises(SizingError, match="no GPU memory left"):  # bf16 weights: 99 GB per H100
+        plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=8))
+
+
+def test_nemotron_nano_9b_v2_mamba2_state():
+    """A Mamba-2 hybrid: 27 Mamba-2, 4 attention and 25 MLP layers (NemotronH's pattern
+    string). State per layer as vLLM's mamba2_state_shape: conv (kernel - 1) x (x + B + C
+    channels), temporal heads x head_dim x state, float32 as the config asks."""
+    shape = published("nemotron-nano-9b-v2.json")
+    assert (shape.num_linear_layers, shape.num_full_layers, shape.num_mlp_layers) == (27, 4, 25)
+    assert shape.is_mamba2 and shape.mamba_conv_dim() == 128 * 80 + 2 * 8 * 128 == 12_288
+    assert abs(shape.param_count() - 8.89e9) < 0.03 * 8.89e9
+    plan = plan_engine(shape, SizingInputs(device="cuda"))
+    assert plan.kv_bytes_per_token == 4 * 2 * 8 * 128 * 2 == 16 * KiB
+    assert plan.temporal_bytes_per_request == 27 * 128 * 80 * 128 * 4 == 141_557_760
+    assert plan.conv_bytes_per_request == 27 * 3 * 12_288 * 2 == 1_990_656
+    # One layer's state (5 MiB + 72 KiB) over 4 KiB per token per layer, in 16s.
+    assert plan.block_size == 16 * math.ceil((5 * MiB + 73_728) / (16 * 4 * KiB)) == 1312
+    assert (plan.layers_per_group, plan.num_linear_groups, plan.num_full_groups) == (4, 7, 1)
+    assert plan.bytes_moved_attention == 2 * 1312 * 16 * KiB == 42_991_616
+    assert plan.bytes_moved_state == 141_557_760 + 1_990_656
+    plan.check()
+    # Groups that do not split over the ranks are replicated to each: 8 groups over TP 16.
+    assert shape.mamba_conv_dim(16) == 10_240 + 2 * 16 * 128
+    tp2 = plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=2))
+    assert tp2.temporal_bytes_per_request_per_rank == 141_557_760 // 2
+    assert tp2.conv_bytes_per_request_per_rank == 1_990_656 // 2
+
+
+def test_sliding_window_layers_are_refused_by_name():
+    gpt_oss_120b = {  # sliding-window layers: not sized yet, and said so
+        "hidden_size": 2880,
+        "num_hidden_layers": 36,
+        "layer_types": ["sliding_attention", "full_attention"] * 18,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "vocab_size": 201088,
+        "intermediate_size": 2880,
+        "max_position_embeddings": 131072,
+    }
+    with pytest.raises(ValueError, match="sliding_attention"):
+        ModelShape.from_config(gpt_oss_120b)

@@ -1,4 +1,4 @@
-"""Engine sizing from a model's config.json alone: weights, KV cache, DeltaNet state, blocks.
+"""Engine sizing from a model's config.json alone: weights, KV cache, recurrent state, blocks.
 
 Pure arithmetic on the standard library, so `pdserve plan` answers "does this fit, how many
 requests at once, how many bytes per handoff" before any GPU, weights or vLLM import. The
@@ -22,7 +22,12 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-FULL, LINEAR = "full_attention", "linear_attention"
+# Layer kinds: attention (KV per token), recurrent (one state per request: Gated DeltaNet or
+# Mamba-2) and MLP-only (no cache: NemotronH's MLP and MoE blocks).
+FULL, LINEAR, MLP = "full_attention", "linear_attention", "mlp"
+# NemotronH spells its layers as a pattern string or as a list.
+_PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MLP}
+_BLOCK_TYPE_KINDS = {"mamba": LINEAR, LINEAR: LINEAR, "attention": FULL, FULL: FULL, "mlp": MLP, "moe": MLP}
 # Qwen3.5 / Qwen3-Next attention projects a sigmoid output gate together with the queries.
 _GATED_ATTENTION_MODELS = {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"}
 
@@ -71,6 +76,12 @@ class ModelShape:
     num_experts: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    # Mamba-2 layers (NemotronH): 0 on Gated DeltaNet and plain models.
+    mamba_num_heads: int = 0
+    mamba_head_dim: int = 0
+    mamba_state_size: int = 0
+    mamba_n_groups: int = 0
+    mamba_conv_kernel: int = 0
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ModelShape":
@@ -98,11 +109,11 @@ class ModelShape:
         if missing:
             raise ValueError(f"config lacks {', '.join(missing)}: pass the config.json of a decoder-only LLM")
         n_layers = c["num_hidden_layers"]
-        layer_types = tuple(c.get("layer_types") or _layer_types(n_layers, c.get("full_attention_interval")))
-        if len(layer_types) != n_layers or not set(layer_types) <= {FULL, LINEAR}:
+        layer_types = _layer_types(c)
+        if len(layer_types) != n_layers or not set(layer_types) <= {FULL, LINEAR, MLP}:
             raise ValueError(
-                f"layer_types must list {n_layers} entries of {FULL!r} or {LINEAR!r}; got {len(layer_types)} "
-                f"({', '.join(sorted(set(layer_types)))})"
+                f"layer_types must list {n_layers} entries of {FULL!r}, {LINEAR!r} or {MLP!r}; got "
+                f"{len(layer_types)} ({', '.join(sorted(set(layer_types)))})"
             )
         heads = c["num_attention_heads"]
         return cls(
@@ -130,6 +141,11 @@ class ModelShape:
                     "shared_expert_intermediate_size",
                 )
             },
+            mamba_num_heads=int(c.get("mamba_num_heads") or 0),
+            mamba_head_dim=int(c.get("mamba_head_dim") or 0),
+            mamba_state_size=int(c.get("ssm_state_size") or 0) if c.get("mamba_num_heads") else 0,
+            mamba_n_groups=int(c.get("n_groups") or 0) if c.get("mamba_num_heads") else 0,
+            mamba_conv_kernel=int(c.get("conv_kernel") or 0) if c.get("mamba_num_heads") else 0,
         )
 
     @property
@@ -141,14 +157,36 @@ class ModelShape:
         return self.layer_types.count(LINEAR)
 
     @property
+    def num_mlp_layers(self) -> int:
+        return self.layer_types.count(MLP)
+
+    @property
     def is_hybrid(self) -> bool:
         return self.num_linear_layers > 0
+
+    @property
+    def is_mamba2(self) -> bool:
+        return self.mamba_num_heads > 0
+
+    @property
+    def state_kind(self) -> str:
+        return "Mamba-2" if self.is_mamba2 else "DeltaNet"
+
+    @property
+    def mamba_intermediate_size(self) -> int:
+        return self.mamba_num_heads * self.mamba_head_dim
 
     @property
     def linear_conv_dim(self) -> int:
         """Channels of the DeltaNet short convolution: q and k (key heads) and v (value heads)."""
         key_dim = self.linear_num_key_heads * self.linear_key_head_dim
         return 2 * key_dim + self.linear_num_value_heads * self.linear_value_head_dim
+
+    def mamba_conv_dim(self, tp: int = 1) -> int:
+        """Channels of the Mamba-2 convolution: x, B and C. Groups that do not split over the
+        ranks are replicated to each (MambaStateShapeCalculator.extra_groups_for_head_shards)."""
+        groups = self.mamba_n_groups + (0 if self.mamba_n_groups % tp == 0 else tp - self.mamba_n_groups)
+        return self.mamba_intermediate_size + 2 * groups * self.mamba_state_size
 
     def param_count(self) -> int:
         """Estimate: embedding, lm_head, attention/DeltaNet projections and MLP or all MoE
@@ -164,25 +202,39 @@ class ModelShape:
             + self.linear_conv_dim * self.linear_conv_kernel_dim
             + value_dim * h
         )
+        if self.is_mamba2:
+            # in_proj: gate z, x, B, C and dt per head; conv weights; out_proj.
+            inner = self.mamba_intermediate_size
+            mixer = h * (inner + self.mamba_conv_dim() + self.mamba_num_heads) + inner * h
+            mixer += self.mamba_conv_dim() * self.mamba_conv_kernel
+        else:
+            mixer = deltanet
         if self.num_experts:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
             if self.shared_expert_intermediate_size:
                 mlp += 3 * h * self.shared_expert_intermediate_size + h  # shared expert + its gate
+        elif self.num_mlp_layers:
+            mlp = 2 * h * self.intermediate_size  # NemotronH's MLP blocks: up, down (squared ReLU)
         else:
             mlp = 3 * h * self.intermediate_size  # gate, up, down
         return (
             embeddings
             + self.num_full_layers * attention
-            + self.num_linear_layers * deltanet
-            + self.num_hidden_layers * mlp
+            + self.num_linear_layers * mixer
+            + (self.num_mlp_layers or self.num_hidden_layers) * mlp
         )
 
 
-def _layer_types(n_layers: int, interval: int | None) -> list[str]:
+def _layer_types(c: dict[str, Any]) -> tuple[str, ...]:
+    if pattern := c.get("hybrid_override_pattern"):
+        return tuple(_PATTERN_KINDS.get(kind, kind) for kind in pattern)
+    if block_types := c.get("layers_block_type"):
+        return tuple(_BLOCK_TYPE_KINDS.get(kind, kind) for kind in block_types)
+    if layer_types := c.get("layer_types"):
+        return tuple(layer_types)
     # Every interval-th layer is full attention (Qwen3-Next's full_attention_interval).
-    if not interval:
-        return [FULL] * n_layers
-    return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(n_layers)]
+    n_layers, interval = c["num_hidden_layers"], c.get("full_attention_interval")
+    return tuple(FULL if not interval or (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
 
 
 def ssm_state_dtype(device: str, dtype: str) -> str:
@@ -302,7 +354,8 @@ class EnginePlan:
         )
         raise SizingError(
             f"one {n:,}-token request needs {needed:,} blocks "
-            f"({self.num_linear_groups} DeltaNet + {self.num_full_groups} x ceil({n:,} / {self.block_size}) attention) "
+            f"({self.num_linear_groups} {self.shape.state_kind} + "
+            f"{self.num_full_groups} x ceil({n:,} / {self.block_size}) attention) "
             f"but the KV cache holds {self.usable_blocks:,}: {self.kv_cache_bytes_per_rank:,} B per rank "
             f"// {self.page_bytes:,} B per block = {self.num_blocks:,} blocks, less vLLM's null block. "
             f"Needs at least {(needed + 1) * self.page_bytes:,} B per rank: {fix}, or lower --max-model-len."
@@ -326,9 +379,22 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
     # Fewer KV heads than ranks: each rank keeps one replicated head (ModelConfig.get_num_kv_heads).
     kv_heads_per_rank = max(1, shape.num_key_value_heads // tp)
     attn_token_layer = 2 * kv_heads_per_rank * shape.head_dim * dtype  # K and V, one layer, one token
-    head_state = shape.linear_key_head_dim * shape.linear_value_head_dim * ssm_dtype  # one value head's matrix
-    temporal_layer = shape.linear_num_value_heads // tp * head_state
-    conv_layer = (shape.linear_conv_kernel_dim - 1) * (shape.linear_conv_dim // tp) * dtype
+    if shape.is_mamba2:  # MambaStateShapeCalculator.mamba2_state_shape
+        state_heads, head_state = shape.mamba_num_heads, shape.mamba_head_dim * shape.mamba_state_size * ssm_dtype
+        kernel, conv_dim, conv_dim_per_rank = (
+            shape.mamba_conv_kernel,
+            shape.mamba_conv_dim(),
+            shape.mamba_conv_dim(tp) // tp,
+        )
+    else:  # gated_delta_net_state_shape: one value head's matrix per head
+        state_heads, head_state = (
+            shape.linear_num_value_heads,
+            shape.linear_key_head_dim * shape.linear_value_head_dim * ssm_dtype,
+        )
+        kernel, conv_dim = shape.linear_conv_kernel_dim, shape.linear_conv_dim
+        conv_dim_per_rank = conv_dim // tp
+    temporal_layer = state_heads // tp * head_state
+    conv_layer = (kernel - 1) * conv_dim_per_rank * dtype
     state_layer = temporal_layer + conv_layer
     n_full, n_linear = shape.num_full_layers, shape.num_linear_layers
 
@@ -350,9 +416,9 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         weights_bytes_per_rank=weights // tp,
         kv_bytes_per_token=n_full * 2 * shape.num_key_value_heads * shape.head_dim * dtype,
         kv_bytes_per_token_per_rank=n_full * attn_token_layer,
-        temporal_bytes_per_request=n_linear * shape.linear_num_value_heads * head_state,
+        temporal_bytes_per_request=n_linear * state_heads * head_state,
         temporal_bytes_per_request_per_rank=n_linear * temporal_layer,
-        conv_bytes_per_request=n_linear * (shape.linear_conv_kernel_dim - 1) * shape.linear_conv_dim * dtype,
+        conv_bytes_per_request=n_linear * (kernel - 1) * conv_dim * dtype,
         conv_bytes_per_request_per_rank=n_linear * conv_layer,
         block_size=block_size,
         layers_per_group=layers_per_group,
@@ -371,6 +437,7 @@ def _check_tp(shape: ModelShape, tp: int) -> None:
             shape.num_attention_heads % t == 0
             and shape.linear_num_key_heads % t == 0
             and shape.linear_num_value_heads % t == 0
+            and shape.mamba_num_heads % t == 0
             # KV heads split evenly, or are replicated evenly (QKVParallelLinear).
             and (kv % t == 0 if t <= kv else t % kv == 0)
         )
@@ -383,7 +450,7 @@ def _check_tp(shape: ModelShape, tp: int) -> None:
             f"tensor parallel size {tp} does not split the model's heads evenly: "
             f"num_attention_heads {shape.num_attention_heads}, num_key_value_heads {shape.num_key_value_heads}, "
             f"linear_num_key_heads {shape.linear_num_key_heads}, "
-            f"linear_num_value_heads {shape.linear_num_value_heads}; "
+            f"linear_num_value_heads {shape.linear_num_value_heads}, mamba_num_heads {shape.mamba_num_heads}; "
             f"TP sizes that work: {', '.join(map(str, sizes))}"
         )
 
@@ -445,7 +512,7 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
     if plan.shape.is_hybrid:
         rows.append(
             (
-                f"DeltaNet temporal state ({i.mamba_ssm_dtype})",
+                f"{plan.shape.state_kind} temporal state ({i.mamba_ssm_dtype})",
                 total_and_rank(
                     plan.temporal_bytes_per_request, plan.temporal_bytes_per_request_per_rank, " per request"
                 ),
@@ -453,11 +520,11 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         )
         rows.append(
             (
-                f"DeltaNet conv state ({i.dtype})",
+                f"{plan.shape.state_kind} conv state ({i.dtype})",
                 total_and_rank(plan.conv_bytes_per_request, plan.conv_bytes_per_request_per_rank, " per request"),
             )
         )
-        groups = f"{plan.num_linear_groups} DeltaNet + {plan.num_full_groups} attention groups"
+        groups = f"{plan.num_linear_groups} {plan.shape.state_kind} + {plan.num_full_groups} attention groups"
     else:
         groups = "1 attention group"
     kv_source = (
@@ -491,7 +558,7 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         (
             f"bytes moved, {i.prompt_tokens:,}-token prompt",
             f"{moved:,} = attention KV "
-            f"{plan.bytes_moved_attention:,} + DeltaNet state {plan.bytes_moved_state:,} (all ranks)",
+            f"{plan.bytes_moved_attention:,} + {plan.shape.state_kind} state {plan.bytes_moved_state:,} (all ranks)",
         )
     )
     if i.link_gbit_s:
@@ -516,7 +583,7 @@ def _reuse(plan: EnginePlan) -> str:
         # vLLM's align mode keeps a state only where a prefill chunk ended on a block
         # boundary: the last whole block of each prompt computed here, and chunk ends.
         return (
-            f"whole {plan.block_size:,}-token blocks, up to the last block end that holds a DeltaNet "
+            f"whole {plan.block_size:,}-token blocks, up to the last block end that holds a {plan.shape.state_kind} "
             "state checkpoint (kept where a prompt's last whole block ended)"
         )
     return f"whole {plan.block_size:,}-token blocks"
