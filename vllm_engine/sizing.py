@@ -141,11 +141,7 @@ class ModelShape:
                     "shared_expert_intermediate_size",
                 )
             },
-            mamba_num_heads=int(c.get("mamba_num_heads") or 0),
-            mamba_head_dim=int(c.get("mamba_head_dim") or 0),
-            mamba_state_size=int(c.get("ssm_state_size") or 0) if c.get("mamba_num_heads") else 0,
-            mamba_n_groups=int(c.get("n_groups") or 0) if c.get("mamba_num_heads") else 0,
-            mamba_conv_kernel=int(c.get("conv_kernel") or 0) if c.get("mamba_num_heads") else 0,
+            **_mamba_fields(c),
         )
 
     @property
@@ -195,20 +191,18 @@ class ModelShape:
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         q_dim, kv_dim = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         attention = h * q_dim * (2 if self.attn_output_gate else 1) + 2 * h * kv_dim + q_dim * h
-        value_dim = self.linear_num_value_heads * self.linear_value_head_dim
-        # in_proj: q, k, v, z (output gate) and the per-head a, b; conv weights; out_proj.
-        deltanet = (
-            h * (self.linear_conv_dim + value_dim + 2 * self.linear_num_value_heads)
-            + self.linear_conv_dim * self.linear_conv_kernel_dim
-            + value_dim * h
-        )
         if self.is_mamba2:
             # in_proj: gate z, x, B, C and dt per head; conv weights; out_proj.
-            inner = self.mamba_intermediate_size
-            mixer = h * (inner + self.mamba_conv_dim() + self.mamba_num_heads) + inner * h
-            mixer += self.mamba_conv_dim() * self.mamba_conv_kernel
+            inner, conv_dim = self.mamba_intermediate_size, self.mamba_conv_dim()
+            mixer = h * (inner + conv_dim + self.mamba_num_heads) + conv_dim * self.mamba_conv_kernel + inner * h
         else:
-            mixer = deltanet
+            # in_proj: q, k, v, z (output gate) and the per-head a, b; conv weights; out_proj.
+            value_dim = self.linear_num_value_heads * self.linear_value_head_dim
+            mixer = (
+                h * (self.linear_conv_dim + value_dim + 2 * self.linear_num_value_heads)
+                + self.linear_conv_dim * self.linear_conv_kernel_dim
+                + value_dim * h
+            )
         if self.num_experts:
             mlp = self.num_experts * (3 * h * self.moe_intermediate_size + h)  # experts + router
             if self.shared_expert_intermediate_size:
@@ -223,6 +217,20 @@ class ModelShape:
             + self.num_linear_layers * mixer
             + (self.num_mlp_layers or self.num_hidden_layers) * mlp
         )
+
+
+def _mamba_fields(c: dict[str, Any]) -> dict[str, int]:
+    # NemotronH's names; other models may use ssm_state_size or n_groups for something else.
+    if not c.get("mamba_num_heads"):
+        return {}
+    names = {
+        "mamba_num_heads": "mamba_num_heads",
+        "mamba_head_dim": "mamba_head_dim",
+        "mamba_state_size": "ssm_state_size",
+        "mamba_n_groups": "n_groups",
+        "mamba_conv_kernel": "conv_kernel",
+    }
+    return {field: int(c.get(key) or 0) for field, key in names.items()}
 
 
 def _layer_types(c: dict[str, Any]) -> tuple[str, ...]:
