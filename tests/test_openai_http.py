@@ -159,8 +159,13 @@ def test_hostile_bodies_get_no_5xx_and_the_server_keeps_serving(served):
             assert response.status_code < 500 or response.status_code in (503, 429), response.text
 
     check()
-    assert statuses.get(200, 0) > 5 and statuses.get(400, 0) > 5, statuses
+    # Both kinds came (about one body in ten is valid; how many of them depends on how the
+    # tokenizer, trained on each machine, splits the generated texts).
+    assert statuses.get(200, 0) > 0 and statuses.get(400, 0) > 5, statuses
     assert httpx.get(base + "/health").json() == {"status": "ok"}
+    normal = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True}
+    after = httpx.post(base + "/v1/completions", json=normal, timeout=60)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 4, after.text
     assert_no_blocks_held(served.dep)
 
 
