@@ -9,9 +9,11 @@ holdback, pdserve's prefill computes the whole prompt and samples the first toke
 with the request's own sampling settings, as SGLang's prefill does: the router streams it
 at once, and decode runs prompt + that token on the state after the prompt, which the
 connector's own rule (load all but the last token) already fits. Requests whose settings
-look at the whole output (stop strings, bad words, presence/frequency penalties, a seed:
-SamplingConfig.decoded_whole) keep the connector's split, since decode's checks only see
-what decode samples; there the token prefill samples is greedy and dropped.
+look at the whole output (stop strings, bad words, presence/frequency penalties, a seed, a
+structured output: SamplingConfig.decoded_whole) keep the connector's split, since decode's
+checks only see what decode samples; there the token prefill samples is greedy and dropped.
+A structured output's constraint stays on that leg, so prefill's engine refuses one that does
+not compile before it computes the prompt.
 """
 
 from __future__ import annotations

@@ -19,6 +19,11 @@ MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 1024
 MAX_BAD_WORDS = MAX_STOP_STRINGS
 MAX_CACHE_SALT_CHARS = 256
+# A structured-output constraint (schema, regex, grammar, choices) is compiled on the engine
+# thread before the request's first step.
+MAX_STRUCTURED_CHARS = 64 << 10
+MAX_CHOICES = 256
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +33,34 @@ class ModelLimits:
     # vLLM 0.32's CPU Gated-DeltaNet conv kernel fails on a 1-token prefill, so hybrids on
     # CPU need prompts of 2+ tokens (GPU kernels and attention-only models do not).
     min_prompt_tokens: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """One constraint the output must match: vLLM's StructuredOutputsParams in our terms (the
+    engines compile and enforce it with vLLM's own backend)."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    # The JSON schema (as JSON text), regex, grammar or structural tag; the choices for
+    # "choice"; "" for "json_object" (any JSON object).
+    spec: str | tuple[str, ...]
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError("structured_outputs", f"kind {self.kind!r} is not one of {STRUCTURED_KINDS}")
+        size = len(self.spec) if isinstance(self.spec, str) else sum(len(c) for c in self.spec)
+        if size > MAX_STRUCTURED_CHARS:
+            raise InvalidRequestError(
+                "structured_outputs",
+                f"the {self.kind} constraint has {size:,} characters; at most {MAX_STRUCTURED_CHARS:,}",
+            )
+        if "\x00" in (self.spec if isinstance(self.spec, str) else "".join(self.spec)):
+            raise InvalidRequestError("structured_outputs", f"the {self.kind} constraint holds a NUL character")
+        if self.kind == "choice" and not 1 <= len(self.spec) <= MAX_CHOICES:
+            raise InvalidRequestError("structured_outputs", f"choice: 1 to {MAX_CHOICES} choices, got {len(self.spec)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +86,7 @@ class SamplingConfig:
     bad_words: tuple[str, ...] = ()
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    structured: StructuredOutput | None = None
 
     @property
     def decoded_whole(self) -> bool:
@@ -61,15 +95,18 @@ class SamplingConfig:
         only see its own output, and vLLM's are over the request's whole output for stop
         strings (one may span the first token and the next), bad words (a multi-token word
         looks back across it), presence and frequency penalties (they count output tokens,
-        not prompt ones) and a seed (its generator draws once per output token, from the
-        first). Every other setting holds per token, or counts prompt and output alike
-        (repetition_penalty), or is counted across the legs (min_tokens, max_tokens)."""
+        not prompt ones), a seed (its generator draws once per output token, from the
+        first) and a structured output (its grammar starts at the first output token, and
+        decode's engine holds the grammar's state). Every other setting holds per token, or
+        counts prompt and output alike (repetition_penalty), or is counted across the legs
+        (min_tokens, max_tokens)."""
         return bool(
             self.stop
             or self.bad_words
             or self.presence_penalty
             or self.frequency_penalty
             or (self.seed is not None and self.temperature > 0)
+            or self.structured is not None
         )
 
     def validate(self, limits: ModelLimits) -> None:
@@ -128,6 +165,8 @@ class SamplingConfig:
             raise InvalidRequestError(
                 "min_tokens", f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}"
             )
+        if self.structured is not None:
+            self.structured.validate()
 
 
 @dataclass(frozen=True, slots=True)

@@ -51,10 +51,6 @@ def _refused(name: str, why: str, *neutral: Any, endpoints: tuple[str, ...] = BO
     return Placement(name, False, why, endpoints, neutral, is_neutral)
 
 
-def _text_format(value: Any) -> bool:
-    return getattr(value, "type", None) == "text" or (isinstance(value, dict) and value.get("type") == "text")
-
-
 _NOT_RENDER = "used by vLLM's /render endpoints only; pdserve has none"
 
 TABLE: tuple[Placement, ...] = (
@@ -128,8 +124,15 @@ TABLE: tuple[Placement, ...] = (
     _refused("logprob_token_ids", "not implemented: logprobs of chosen ids", None, []),
     _refused("repetition_detection", "not implemented", None),
     _refused("thinking_token_budget", "no reasoning parser runs", None, -1),
-    _refused("response_format", "structured outputs through P/D are not implemented", None, is_neutral=_text_format),
-    _refused("structured_outputs", "structured outputs through P/D are not implemented", None),
+    _honoured(
+        "response_format",
+        "json_object and json_schema (structural tags too) on vLLM's own backend; decode samples every token under "
+        "the grammar, so it starts where a colocated engine's does (the first token waits for the transfer)",
+    ),
+    _honoured(
+        "structured_outputs",
+        "json, regex, choice, grammar, json_object, structural_tag: as response_format (both: one kind, or 400)",
+    ),
     _refused("tools", "tool calling is not implemented", None, [], endpoints=(CHAT,)),
     _refused("tool_choice", "tool calling is not implemented", "none", None, endpoints=(CHAT,)),
     _refused("parallel_tool_calls", "tool calling is not implemented", True, None, endpoints=(CHAT,)),

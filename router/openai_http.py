@@ -30,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
-from messages.requests import GenerateRequest, SamplingConfig
+from messages.requests import STRUCTURED_KINDS, GenerateRequest, SamplingConfig, StructuredOutput
 from messages.results import GenerationResult, TokenChunk
 from router import chat_prompt
 from router.admission import AdmissionController
@@ -263,6 +263,7 @@ class OpenAIFront:
             bad_words=tuple(body.bad_words or ()),
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
+            structured=_structured(body),
         )
 
     # --- response --------------------------------------------------------------------------
@@ -407,6 +408,30 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
         return tuple((int(token), min(100.0, max(-100.0, value))) for token, value in bias.items())
     except ValueError:
         raise InvalidRequestError("logit_bias", 'keys must be token ids (as strings), e.g. {"50256": -100}') from None
+
+
+def _structured(body: Any) -> StructuredOutput | None:
+    """The body's constraint as vLLM reads it (response_format's kind set over structured_outputs':
+    vLLM's own extract_structured_outputs), in our terms."""
+    from vllm.exceptions import VLLMValidationError
+
+    try:
+        params = body.extract_structured_outputs()
+    except VLLMValidationError as err:  # structured_outputs and response_format ask for two kinds
+        raise InvalidRequestError("response_format", str(err)) from None
+    if params is None:
+        return None
+    kind = next(k for k in STRUCTURED_KINDS if getattr(params, k) is not None)  # vLLM checked: exactly one
+    spec = getattr(params, kind)
+    if kind == "json_object":
+        spec = ""
+    elif kind == "choice":
+        spec = tuple(str(choice) for choice in spec)
+    elif not isinstance(spec, str):  # a JSON schema given as an object
+        spec = json.dumps(spec)
+    return StructuredOutput(
+        kind, spec, params.disable_any_whitespace, params.disable_additional_properties, params.whitespace_pattern
+    )
 
 
 def _deprecated_max_tokens(body: Any) -> int | None:

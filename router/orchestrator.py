@@ -191,7 +191,9 @@ class Orchestrator:
             # this router's rotation until a load poll reaches it again.
             except (RayActorError, FeedLostError, LegStalledError) as err:
                 decode_member.mark_dead(f"failed serving {leg.request_id}: {type(err).__name__}")
-                failover = self.failover(migrations)
+                failover = self.failover(
+                    migrations, grammar_started=bool(progress.token_ids) and leg.sampling.structured is not None
+                )
                 metrics.FAILOVERS.labels(failover.action).inc()
                 log.warning("%s: decode %s failed (%s): %s", request.request_id, decode_member.name, err, failover)
                 if failover.action == "fail":
@@ -220,11 +222,15 @@ class Orchestrator:
             self.journal.finished(arrived_wall, result)
         yield result
 
-    def failover(self, migrations: int) -> Failover:
-        """Migrate the stream or fail it, by policy and the migrations it made already."""
+    def failover(self, migrations: int, grammar_started: bool = False) -> Failover:
+        """Migrate the stream or fail it, by policy and the migrations it made already.
+        `grammar_started`: a structured output was streamed in part; its grammar's state was
+        on the lost engine, and vLLM cannot start a grammar part-way, so it cannot resume."""
         limit = self.policy.max_migrations
         if self.policy.on_decode_failure == "fail":
             return Failover("fail", "policy on_decode_failure is fail", migrations)
+        if grammar_started:
+            return Failover("fail", "a structured output cannot resume part-way on another engine", migrations)
         if migrations >= limit:
             return Failover("fail", f"it migrated {migrations} times, max_migrations is {limit}", migrations)
         return Failover("migrate", f"migration {migrations + 1} of at most {limit}", migrations)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 import httpx
 from reference import NEAR_TIE_NATS, PROMPTS, prompt_of
 
-from messages.requests import GenerateRequest, SamplingConfig
+from messages.requests import GenerateRequest, SamplingConfig, StructuredOutput
 
 MAX_TOKENS = 16
 # bf16 logprobs of one token differ between engines by up to a few hundredths (0.06 measured
@@ -93,6 +94,39 @@ CASES: dict[str, Case] = {
         "greedy_any",
     ),  # fmt: skip
     "greedy_any": Case("any", {**_GREEDY, "ignore_eos": True}, {"ignore_eos": True}),
+}
+# Structured outputs: every choice and schema field closed, so that the model (which knows
+# none of this) ends its output within MAX_TOKENS (the engines run without free whitespace in
+# JSON: EngineConfig.disable_any_whitespace). The regex takes the words the model continues
+# the short prompt with (it is decisive there) up to the blank line, and ends the output.
+STAGE_SCHEMA = {
+    "type": "object",
+    "properties": {"stage": {"enum": ["prefill", "decode"]}, "remote": {"type": "boolean"}},
+    "required": ["stage", "remote"],
+    "additionalProperties": False,
+}
+STAGE_FORMAT = {"type": "json_schema", "json_schema": {"name": "stage", "schema": STAGE_SCHEMA}}
+WORDS_REGEX = "( [a-z]+)+\n\n"
+CASES |= {
+    "json_schema": Case(
+        "short",
+        {**_GREEDY, "response_format": STAGE_FORMAT},
+        {"structured": StructuredOutput("json", json.dumps(STAGE_SCHEMA))},
+        "greedy",
+        max_tokens=48,
+    ),
+    "choice": Case(
+        "short",
+        {**_GREEDY, "structured_outputs": {"choice": ["prefill", "decode"]}},
+        {"structured": StructuredOutput("choice", ("prefill", "decode"))},
+        "greedy",
+    ),
+    "regex": Case(
+        "short",
+        {**_GREEDY, "structured_outputs": {"regex": WORDS_REGEX}},
+        {"structured": StructuredOutput("regex", WORDS_REGEX)},
+        "greedy",
+    ),
 }
 CHAT_MESSAGES = [{"role": "user", "content": "Prefill processes the prompt and creates state"}]
 
@@ -280,6 +314,21 @@ def assert_same_as_colocated(case: Case, got: Answer, ref: Output, baseline: Out
             want = {t: v for t, v in ranked[: case.logprobs] if v - cut > 0.05}
             assert set(want) <= set(got.top[position]), (position, ranked[: case.logprobs + 1], got.top[position])
             assert all(abs(got.top[position][t] - v) < LOGPROB_TOLERANCE for t, v in want.items()), position
+    if (structured := case.sampling.get("structured")) is not None:
+        assert got.finish_reason == "stop", got  # the constraint ended it, not max_tokens
+        assert_obeys(structured, got.text)
+
+
+def assert_obeys(structured: StructuredOutput, text: str) -> None:
+    """The output matches its constraint, as a client would check it."""
+    import jsonschema
+
+    if structured.kind == "json":
+        jsonschema.validate(json.loads(text), json.loads(structured.spec))
+    elif structured.kind == "choice":
+        assert text in structured.spec, text
+    else:
+        assert structured.kind == "regex" and re.fullmatch(structured.spec, text), (structured, text)
 
 
 def chat_logprobs_stream(base: str, model: str, messages: list[dict[str, str]]):

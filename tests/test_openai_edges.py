@@ -264,6 +264,18 @@ def bodies(path: str, model: str = MODEL):
         "bad_words": st.lists(st.text(max_size=4), max_size=2),
         "min_tokens": small,
         "echo": st.booleans(),
+        "response_format": st.sampled_from(
+            [
+                {"type": "text"},
+                {"type": "json_object"},
+                {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+                {"type": "json_schema"},  # no schema
+                {"type": "xml"},
+            ]
+        ),
+        "structured_outputs": st.sampled_from(
+            [{"choice": ["a", "b"]}, {"regex": "[0-9]+"}, {"choice": []}, {"json": ""}, {"regex": "a", "choice": ["x"]}]
+        ),
     }
 
     def mostly(value):  # one value in eight hostile

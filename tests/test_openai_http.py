@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -19,19 +20,25 @@ PROMPT = "Prefill processes the prompt and creates state; decode consumes that s
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster, engine_config, model_path, colocated):
+def engines(engine_config):
+    """JSON outputs without free whitespace (openai_cases.STAGE_SCHEMA says why)."""
+    return dataclasses.replace(engine_config, disable_any_whitespace=True)
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster, engines, model_path, colocated):
     # After the colocated references: one set of engines at a time on the test box's cores.
-    stack = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path, http_model=MODEL)
+    stack = ServedStack(Deployment(DeploymentConfig(engine=engines)), model_path, http_model=MODEL)
     yield stack
     stack.close()
 
 
 @pytest.fixture(scope="module")
-def colocated(ray_cluster, engine_config, model_path):
+def colocated(ray_cluster, engines, model_path):
     """Each field case's output on a colocated engine (no connector, one engine does all)."""
     from openai_cases import reference_outputs
 
-    return reference_outputs(ray_cluster, engine_config, model_path)
+    return reference_outputs(ray_cluster, engines, model_path)
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +193,51 @@ def test_a_field_through_pd_gives_what_a_colocated_engine_gives(served, colocate
     case = CASES[name]
     got = through_http(f"http://{served.http.address}", MODEL, case, colocated.prompts[case.prompt])
     assert_same_as_colocated(case, got, colocated.outputs[name], colocated.outputs.get(case.changes))
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_fifty_json_schema_outputs_through_pd_all_validate(served):
+    """50 sampled requests with a JSON schema (three schemas, both endpoints, at once): every
+    output parses, validates, and ended because its JSON closed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+    from openai_cases import STAGE_SCHEMA
+
+    schemas = [
+        STAGE_SCHEMA,
+        {"type": "object", "properties": {"tokens": {"type": "integer", "minimum": 1, "maximum": 4096}},
+         "required": ["tokens"], "additionalProperties": False},
+        {"type": "object", "properties": {"path": {"type": "array", "items": {"enum": ["router", "prefill", "decode"]},
+                                                   "minItems": 1, "maxItems": 3}},
+         "required": ["path"], "additionalProperties": False},
+    ]  # fmt: skip
+
+    def ask(i: int) -> None:
+        schema = schemas[i % len(schemas)]
+        response_format = {"type": "json_schema", "json_schema": {"name": f"s{i % 3}", "schema": schema}}
+        fields = {"model": MODEL, "max_tokens": 120, "temperature": 1.0, "seed": i, "response_format": response_format}
+        if i % 2:
+            path, body = "/v1/chat/completions", {**fields, "messages": [{"role": "user", "content": f"{PROMPT} {i}"}]}
+        else:
+            path, body = "/v1/completions", {**fields, "prompt": f"{PROMPT} {i}"}
+        response = httpx.post(f"http://{served.http.address}{path}", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        text = choice["message"]["content"] if i % 2 else choice["text"]
+        assert choice["finish_reason"] == "stop", (i, text)
+        jsonschema.validate(json.loads(text), schema)
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(ask, range(50)))
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_a_structured_output_the_engine_cannot_compile_is_refused_by_name(served):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "structured_outputs": {"regex": "(unclosed"}}
+    response = httpx.post(f"http://{served.http.address}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    assert "regex" in response.json()["error"]["message"], response.text
     assert_no_blocks_held(served.dep, timeout_s=10)
 
 

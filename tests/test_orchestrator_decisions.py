@@ -85,6 +85,13 @@ def test_a_dead_decode_engine_migrates_the_stream_until_the_policy_says_fail():
     assert never.failover(0).action == "fail" and "policy" in never.failover(0).reason
 
 
+def test_a_structured_output_streamed_in_part_is_not_migrated():
+    """Its grammar's state died with the engine: resumed elsewhere it would restart mid-output."""
+    orchestrator = _orchestrator(policy=RouterPolicy(max_migrations=2))
+    failover = orchestrator.failover(0, grammar_started=True)
+    assert failover.action == "fail" and "structured output" in failover.reason
+
+
 def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
     dying, healthy = _Prefill(ActorDiedError()), _Prefill("prefilled")
     orchestrator = _orchestrator(dying, healthy)

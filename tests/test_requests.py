@@ -3,7 +3,7 @@
 import pytest
 
 from messages.errors import InvalidRequestError
-from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
+from messages.requests import MAX_STRUCTURED_CHARS, GenerateRequest, ModelLimits, SamplingConfig, StructuredOutput
 from vllm_engine.sampling import sampling_params
 
 LIMITS = ModelLimits(max_model_len=128, vocab_size=100)
@@ -121,7 +121,38 @@ def test_min_tokens_counts_across_the_legs():
         (SamplingConfig(bad_words=("x",)), True),
         (SamplingConfig(presence_penalty=0.1), True),
         (SamplingConfig(frequency_penalty=-0.1), True),
+        (SamplingConfig(structured=StructuredOutput("choice", ("a", "b"))), True),
     ],
 )
 def test_settings_over_the_whole_output_leave_every_token_to_decode(sampling, whole):
     assert sampling.decoded_whole is whole
+
+
+@pytest.mark.parametrize(
+    ("structured", "vllm_field", "value"),
+    [
+        (StructuredOutput("json", '{"type": "object"}'), "json", '{"type": "object"}'),
+        (StructuredOutput("json_object", ""), "json_object", True),
+        (StructuredOutput("regex", "[ab]+"), "regex", "[ab]+"),
+        (StructuredOutput("choice", ("yes", "no")), "choice", ["yes", "no"]),
+        (StructuredOutput("grammar", 'root ::= "x"'), "grammar", 'root ::= "x"'),
+    ],
+)
+def test_a_structured_output_reaches_vllm_as_its_own_constraint(structured, vllm_field, value):
+    params = sampling_params(SamplingConfig(structured=structured)).structured_outputs
+    assert getattr(params, vllm_field) == value
+
+
+@pytest.mark.parametrize(
+    ("structured", "says"),
+    [
+        (StructuredOutput("xml", "<a/>"), "kind 'xml'"),
+        (StructuredOutput("regex", "a" * (MAX_STRUCTURED_CHARS + 1)), "at most"),
+        (StructuredOutput("choice", ()), "1 to 256 choices"),
+        (StructuredOutput("regex", "a\x00"), "NUL"),
+    ],
+)
+def test_a_bad_structured_output_is_refused_by_name(structured, says):
+    with pytest.raises(InvalidRequestError, match=says) as err:
+        GenerateRequest("r", (1, 2), SamplingConfig(structured=structured)).validate(LIMITS)
+    assert err.value.field == "structured_outputs"

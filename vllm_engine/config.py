@@ -84,6 +84,11 @@ class EngineConfig:
         "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"
     )
     seed: int = knob(0, help="engine seed (vLLM's --seed)")
+    # xgrammar reads it per engine, not per request; small models left free whitespace can
+    # loop on newlines inside a JSON output until max_tokens.
+    disable_any_whitespace: bool = knob(
+        False, help="JSON structured outputs without free whitespace (vLLM's structured_outputs_config, xgrammar)"
+    )
     # CPU only: cores each TP rank's OpenMP threads bind to, one list per rank separated by
     # "|" (vLLM's VLLM_CPU_OMP_THREADS_BIND), e.g. "0", "2-3" or "0|1" for TP 2. On GPUs
     # Ray/CUDA_VISIBLE_DEVICES choose the devices and this is ignored. Handed out per engine.
@@ -141,6 +146,13 @@ class EngineConfig:
             env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu_cores
         return env
 
+    def _structured_outputs_config(self) -> Any:
+        from vllm.config import StructuredOutputsConfig
+
+        if not self.disable_any_whitespace:
+            return StructuredOutputsConfig()  # vLLM's "auto" backend choice
+        return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)  # vLLM: xgrammar or guidance
+
     def engine_args(
         self, kv_transfer_config: Any = None, kv_events_config: Any = None, **overrides: Any
     ) -> "EngineArgs":
@@ -164,6 +176,7 @@ class EngineConfig:
             enforce_eager=(not gpu) if self.enforce_eager is None else self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,
+            structured_outputs_config=self._structured_outputs_config(),
             kv_transfer_config=kv_transfer_config,
             kv_events_config=kv_events_config,
             **{**self.extra_engine_args, **overrides},

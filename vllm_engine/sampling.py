@@ -6,12 +6,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from messages.errors import InvalidRequestError
-from messages.requests import GenerateRequest, SamplingConfig
+from messages.requests import GenerateRequest, SamplingConfig, StructuredOutput
 from messages.results import TokenChunk
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.outputs import CompletionOutput
+    from vllm.sampling_params import StructuredOutputsParams
 
 
 def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingParams":
@@ -36,6 +37,7 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         bad_words=list(sampling.bad_words),
         min_tokens=sampling.min_tokens,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
+        structured_outputs=structured_outputs_params(sampling.structured),
     )
     fields.update(overrides)
     # A prefill leg of one token holds what min_tokens asks of its token; decode's leg gets
@@ -44,6 +46,23 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
     try:
         return SamplingParams(**fields)
     except Exception as exc:  # vLLM's own checks, should ours miss one
+        raise as_invalid_request(exc) from None
+
+
+def structured_outputs_params(structured: StructuredOutput | None) -> "StructuredOutputsParams | None":
+    from vllm.sampling_params import StructuredOutputsParams
+
+    if structured is None:
+        return None
+    spec = True if structured.kind == "json_object" else structured.spec
+    try:
+        return StructuredOutputsParams(
+            **{structured.kind: list(spec) if structured.kind == "choice" else spec},
+            disable_any_whitespace=structured.disable_any_whitespace,
+            disable_additional_properties=structured.disable_additional_properties,
+            whitespace_pattern=structured.whitespace_pattern,
+        )
+    except Exception as exc:
         raise as_invalid_request(exc) from None
 
 
