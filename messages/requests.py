@@ -51,13 +51,13 @@ class StructuredOutput:
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise InvalidRequestError("structured_outputs", f"kind {self.kind!r} is not one of {STRUCTURED_KINDS}")
-        size = len(self.spec) if isinstance(self.spec, str) else sum(len(c) for c in self.spec)
-        if size > MAX_STRUCTURED_CHARS:
+        text = self.spec if isinstance(self.spec, str) else "".join(self.spec)
+        if len(text) > MAX_STRUCTURED_CHARS:
             raise InvalidRequestError(
                 "structured_outputs",
-                f"the {self.kind} constraint has {size:,} characters; at most {MAX_STRUCTURED_CHARS:,}",
+                f"the {self.kind} constraint has {len(text):,} characters; at most {MAX_STRUCTURED_CHARS:,}",
             )
-        if "\x00" in (self.spec if isinstance(self.spec, str) else "".join(self.spec)):
+        if "\x00" in text:
             raise InvalidRequestError("structured_outputs", f"the {self.kind} constraint holds a NUL character")
         if self.kind == "choice" and not 1 <= len(self.spec) <= MAX_CHOICES:
             raise InvalidRequestError("structured_outputs", f"choice: 1 to {MAX_CHOICES} choices, got {len(self.spec)}")
