@@ -14,6 +14,7 @@ from typing import Any
 
 from controller.deployment import Deployment, DeploymentConfig
 from messages.errors import InvalidRequestError
+from router.chat_parsing import ChatParsers
 from router.orchestrator import Orchestrator
 from router.server import FrontDoorConfig, RouterServer
 from vllm_engine.config import resolve_model
@@ -28,16 +29,19 @@ class LocalStack:
         front: FrontDoorConfig | None = None,
         http: str | None = None,
         served_model_name: str | None = None,
+        chat: ChatParsers = ChatParsers(),
         text_prompts: bool = True,
         health_interval_s: float = 0.5,
         verbose: bool = False,
     ) -> None:
         """`http`: also serve the OpenAI API there (as `served_model_name`, default the model
-        path). `text_prompts` False: token-id prompts only, no tokenizer loaded (benchmarks).
+        path; `chat`: its tool-call and reasoning parsers). `text_prompts` False: token-id
+        prompts only, no tokenizer loaded (benchmarks).
         `verbose`: say on stderr what starts, as the demo does."""
         self.deployment = config if isinstance(config, Deployment) else Deployment(config)
         self._listen, self._front, self._http_address = listen, front or FrontDoorConfig(), http
         self._served_model_name, self._text_prompts = served_model_name, text_prompts
+        self._chat = chat
         self._health_interval_s, self._verbose = health_interval_s, verbose
         self.model = resolve_model(self.deployment.config.engine.model)
         self.tokenizer: Any = None
@@ -83,7 +87,8 @@ class LocalStack:
                 from router.openai_http import HTTPServer, openai_front_for
 
                 name = self._served_model_name or self.model
-                self.http = HTTPServer(openai_front_for(self.server, self.tokenizer, name), self._http_address)
+                front = openai_front_for(self.server, self.tokenizer, name, self._chat)
+                self.http = HTTPServer(front, self._http_address)
                 await self.http.start()
         except BaseException:
             await self.stop()

@@ -94,6 +94,6 @@ class DecodeWorker(EngineWorker):
         if handle is not None:
             outputs = self._consumer.pulled(handle, outputs)
         async for output in outputs:
-            completion = output.outputs[0]
-            check_loaded(request.request_id, completion.finish_reason, handle)
-            yield token_chunk(completion, completion.finish_reason, output.num_cached_tokens)
+            finish_reason = output.outputs[0].finish_reason
+            check_loaded(request.request_id, finish_reason, handle)
+            yield token_chunk(output, finish_reason)

@@ -87,6 +87,13 @@ class SamplingConfig:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     structured: StructuredOutput | None = None
+    # Per prompt token: its logprob and this many top alternatives (None: none). Whoever
+    # computes the whole prompt returns them with the request's first chunk.
+    prompt_logprobs: int | None = None
+    # How the engines detokenize: special tokens kept (tool-call markers some models mark
+    # special) and spaced as vLLM's SamplingParams has it.
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     @property
     def decoded_whole(self) -> bool:
@@ -121,8 +128,10 @@ class SamplingConfig:
         bad = [t for t in self.stop_token_ids if not 0 <= t < limits.vocab_size]
         if bad:
             raise InvalidRequestError("stop_token_ids", f"{bad} outside the vocabulary [0, {limits.vocab_size})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidRequestError(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("stop", f"{len(self.stop)} stop strings; at most {MAX_STOP_STRINGS}")
         if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in self.stop):
@@ -209,7 +218,8 @@ class GenerateRequest:
         next token as it drew for the first (a bias towards repeating it). The stream stays
         reproducible per seed, but is not the one an unsplit run of that seed gives. (A first
         token that prefill samples is never seeded: SamplingConfig.decoded_whole.)
-        min_tokens counts the tokens already generated, as max_tokens does."""
+        min_tokens counts the tokens already generated, as max_tokens does; prompt logprobs,
+        sent with the first token, are not asked for again once there is one."""
         seed = self.sampling.seed
         return replace(
             self,
@@ -219,5 +229,6 @@ class GenerateRequest:
                 max_tokens=self.sampling.max_tokens - len(generated),
                 min_tokens=max(0, self.sampling.min_tokens - len(generated)),
                 seed=None if seed is None else (seed * 1_000_003 + len(generated)) % 2**63,
+                prompt_logprobs=self.sampling.prompt_logprobs if not generated else None,
             ),
         )

@@ -36,6 +36,10 @@ class TokenChunk(PicklesPositionally):
     # Prompt tokens the leg's engine did not compute: its prefix-cache hits, plus (on a leg
     # that pulled state) what it pulled. vLLM's num_cached_tokens.
     cached_tokens: int = 0
+    # In a request's first chunk, where it asked for them: per prompt token (None for the
+    # first, which has no context), entries of (token id, logprob, rank, the engine's text of
+    # the token) in vLLM's order, the prompt's own token first.
+    prompt_logprobs: tuple[tuple[tuple[int, float, int, str | None], ...] | None, ...] = ()
 
     @classmethod
     def joined(cls, chunks: "list[TokenChunk]") -> "TokenChunk":
@@ -48,6 +52,7 @@ class TokenChunk(PicklesPositionally):
             produced_at=chunks[0].produced_at,
             logprob_texts=tuple(p for c in chunks for p in c.logprob_texts),
             cached_tokens=chunks[0].cached_tokens,
+            prompt_logprobs=chunks[0].prompt_logprobs,
         )
 
 

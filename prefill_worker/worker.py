@@ -34,7 +34,6 @@ class PrefillWorker(EngineWorker):
         handle = self._producer.grant(connector_params, await self._engine.state_layout())
         first = None
         if leg.samples_first:
-            completion = final.outputs[0]
-            reason = self._producer.first_finish_reason(request, completion.finish_reason)
-            first = token_chunk(completion, reason, final.num_cached_tokens)
+            reason = self._producer.first_finish_reason(request, final.outputs[0].finish_reason)
+            first = token_chunk(final, reason)
         return PrefillResult(handle, time.perf_counter() - started, first, final.num_cached_tokens or 0)

@@ -18,6 +18,7 @@ import ray
 
 from configuration.fields import knob, section
 from messages.membership import ScalingDecision, ScalingOutcome
+from router.chat_parsing import ChatParsers
 from router.orchestrator import Orchestrator, RouterPolicy
 from router.server import FrontDoorConfig
 
@@ -33,6 +34,7 @@ class RouterSettings:
     policy: RouterPolicy = section(RouterPolicy, title="routing policy")
     http: str | None = knob(None, help="also serve the OpenAI-compatible HTTP API on this HOST:PORT")
     served_model_name: str | None = knob(None, help="model id for the HTTP API (unset: --model)")
+    chat: ChatParsers = section(ChatParsers, title="HTTP chat: tool calls and reasoning (vLLM's parsers)")
     metrics_port: int = knob(9400, help="router i serves Prometheus metrics on this port + i (0: off)")
     metrics_host: str = knob("127.0.0.1", help="address the metrics endpoints bind")
     health_interval_s: float = knob(0.5, help="seconds between two looks at the controller's view of the pools")
@@ -93,7 +95,7 @@ class RouterActor:
         if s.http:
             from router.openai_http import HTTPServer, openai_front_for
 
-            front = openai_front_for(self._server, tokenizer, s.served_model_name or s.model)
+            front = openai_front_for(self._server, tokenizer, s.served_model_name or s.model, s.chat)
             self._http = HTTPServer(front, s.http, s.front.tls, reuse_port=True)
             await self._http.start()
             http = self._http.address

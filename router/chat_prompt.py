@@ -69,10 +69,26 @@ def prompt_ids(tokenizer: Any, body: Any) -> tuple[int, ...]:
     try:
         text = tokenizer.apply_chat_template(
             conversation(body.messages, template),
+            tools=[tool.model_dump() for tool in body.tools] if body.tools else None,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             tokenize=False,
+            **template_kwargs(tokenizer, template, body),
         )
     except TemplateError as err:  # the model's template refuses them (a role it does not know, ...)
         raise InvalidRequestError("messages", f"the model's chat template refused them: {err}") from None
     return tuple(tokenizer.encode(text, add_special_tokens=body.add_special_tokens))
+
+
+def template_kwargs(tokenizer: Any, template: str, body: Any) -> dict[str, Any]:
+    """The request's chat_template_kwargs as vLLM passes them: reasoning_effort as
+    enable_thinking unless given, then only the names the template or Hugging Face reads."""
+    from vllm.renderers.hf import resolve_chat_template_kwargs
+
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort is not None and "enable_thinking" not in kwargs:
+        kwargs["enable_thinking"] = body.reasoning_effort != "none"
+    try:
+        return resolve_chat_template_kwargs(tokenizer, template, kwargs)
+    except ValueError as err:  # chat_template or tokenize among them
+        raise InvalidRequestError("chat_template_kwargs", str(err)) from None

@@ -65,7 +65,11 @@ TABLE: tuple[Placement, ...] = (
         "passed to the chat template (vLLM refuses it together with add_generation_prompt)",
         (CHAT,),
     ),
-    _refused("echo", "not implemented: the prompt is not returned with the completion", None, False),
+    _honoured(
+        "echo",
+        "completions: the prompt's text (and with logprobs, its tokens' logprobs) before the output; max_tokens 0 "
+        "returns the prompt alone; chat: the last message's content where its author answers (as vLLM)",
+    ),
     _refused(
         "suffix",
         "fill-in-the-middle needs a model that renders it (vLLM refuses it too)",
@@ -87,7 +91,11 @@ TABLE: tuple[Placement, ...] = (
         None,
         endpoints=(CHAT,),
     ),
-    _refused("chat_template_kwargs", "not implemented: no extra chat template arguments", None, {}, endpoints=(CHAT,)),
+    _honoured(
+        "chat_template_kwargs",
+        "passed to the chat template and the parsers, filtered to what the template reads (as vLLM does)",
+        (CHAT,),
+    ),
     _refused("media_io_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
     _refused("mm_processor_kwargs", "the served models take text only", None, {}, endpoints=(CHAT,)),
     # --- how long -------------------------------------------------------------------------------
@@ -117,13 +125,17 @@ TABLE: tuple[Placement, ...] = (
         "repetition_penalty",
         "on both legs: it counts prompt and output tokens alike, so decode's prompt holds the first",
     ),
-    _refused("n", "one choice per request: n continuations of one prefill are not implemented", 1),
+    _honoured(
+        "n",
+        "1 to 16 choices; choice i samples with seed + i (as vLLM); choices after the first start once its prompt "
+        "is in the prefill engine's prefix cache, so they compute and move only what the cache cannot hold",
+    ),
     _refused("use_beam_search", "beam search does not run through P/D", False),
     _refused("length_penalty", "beam search only, which is refused", 1, 1.0),
     _refused("watermarking", "not implemented", None, False),
     _refused("logprob_token_ids", "not implemented: logprobs of chosen ids", None, []),
     _refused("repetition_detection", "not implemented", None),
-    _refused("thinking_token_budget", "no reasoning parser runs", None, -1),
+    _refused("thinking_token_budget", "not implemented: reasoning is not cut short", None, -1),
     _honoured(
         "response_format",
         "json_object and json_schema (structural tags too) on vLLM's own backend; decode samples every token under "
@@ -133,24 +145,37 @@ TABLE: tuple[Placement, ...] = (
         "structured_outputs",
         "json, regex, choice, grammar, json_object, structural_tag: as response_format (both: one kind, or 400)",
     ),
-    _refused("tools", "tool calling is not implemented", None, [], endpoints=(CHAT,)),
-    _refused("tool_choice", "tool calling is not implemented", "none", None, endpoints=(CHAT,)),
-    _refused("parallel_tool_calls", "tool calling is not implemented", True, None, endpoints=(CHAT,)),
-    _refused("reasoning_effort", "no reasoning parser runs", None, endpoints=(CHAT,)),
-    _refused(
-        "include_reasoning", "no reasoning parser runs, so there is no reasoning to leave out", True, endpoints=(CHAT,)
+    _honoured(
+        "tools",
+        "rendered by the chat template; calls parsed from the output by vLLM's parser (--tool-call-parser)",
+        (CHAT,),
+    ),
+    _honoured(
+        "tool_choice",
+        "none; auto (--enable-auto-tool-choice); required and named as vLLM makes them: a structured output "
+        "that decode samples whole, then parsed into tool_calls",
+        (CHAT,),
+    ),
+    _honoured("parallel_tool_calls", "false keeps the first call, as vLLM does", (CHAT,)),
+    _honoured("reasoning_effort", "passed to the chat template as enable_thinking (as vLLM)", (CHAT,)),
+    _honoured(
+        "include_reasoning", "false leaves out the reasoning vLLM's parser (--reasoning-parser) splits off", (CHAT,)
     ),
     # --- what comes back -------------------------------------------------------------------------
     _honoured("stream", "server-sent events, a chunk per engine step"),
     _honoured("stream_options", "include_usage, and vLLM's continuous_usage_stats (usage in every chunk)"),
     _honoured("logprobs", "every token's, the first from prefill, in vLLM's formatting; 0 to 20 alternatives"),
     _honoured("top_logprobs", "as logprobs: 0 to 20 alternatives", (CHAT,)),
-    _refused("prompt_logprobs", "not implemented: prefill does not return prompt logprobs", None),
+    _honoured(
+        "prompt_logprobs",
+        "computed by the engine that computes the whole prompt: prefill, or where decode samples every token "
+        "(seed, stop strings, penalties, structured outputs), the decode engine, prefilling it itself",
+    ),
     _honoured("return_tokens_as_token_ids", "logprobs' tokens as 'token_id:<id>'"),
     _refused("return_token_ids", "not implemented", None, False),
     _refused("return_prompt_text", "not implemented", None, False, endpoints=(CHAT,)),
-    _refused("skip_special_tokens", "not implemented: special tokens are always skipped", True),
-    _refused("spaces_between_special_tokens", "not implemented", True),
+    _honoured("skip_special_tokens", "both legs' engines detokenize with it"),
+    _honoured("spaces_between_special_tokens", "both legs' engines detokenize with it"),
     _refused("stream_interval", "a chunk per engine step", None, 1),
     _refused("routed_experts_prompt_start", "no mixture-of-experts routing data is returned", 0),
     _refused("return_token_offsets", _NOT_RENDER, False, None),

@@ -20,9 +20,8 @@ import json
 import logging
 import math
 import socket
-import time
 import uuid
-from dataclasses import asdict
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -31,12 +30,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
 from messages.requests import STRUCTURED_KINDS, GenerateRequest, SamplingConfig, StructuredOutput
-from messages.results import GenerationResult, TokenChunk
 from router import chat_prompt
 from router.admission import AdmissionController
-from router.openai_fields import CHAT, COMPLETIONS, refuse_what_is_not_honoured
-from router.openai_logprobs import LogprobsFormatter
+from router.chat_parsing import ChatParsers, ChatParsing
 from router.metrics import REQUESTS
+from router.openai_errors import HTTPError, invalid
+from router.openai_fields import CHAT, COMPLETIONS, refuse_what_is_not_honoured
+from router.openai_responses import ChatShape, CompletionShape, Echo, Event, ResponseShape, chat_role, collect
 from router.security import TokenRole, TokenTable
 
 if TYPE_CHECKING:
@@ -47,34 +47,8 @@ log = logging.getLogger(__name__)
 # OpenAI's default where it differs from pdserve's gRPC one (max_tokens: vLLM's models hold
 # OpenAI's, 16 for completions, the context's end for chat).
 DEFAULT_TEMPERATURE = 1.0
-
-
-class HTTPError(Exception):
-    """An answer in OpenAI's error shape: `code` is a string or null (never the HTTP status,
-    which the status line carries), `param` names the request field at fault."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        kind: str,
-        param: str | None = None,
-        headers: dict | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
-        self.code = code
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
-
-
-def invalid(message: str, param: str | None = None) -> HTTPError:
-    return HTTPError(400, message, "invalid_request_error", param)
+# Choices per request (n): each is a sequence on a decode engine, admitted as one request.
+MAX_CHOICES = 16
 
 
 class OpenAIFront:
@@ -86,8 +60,13 @@ class OpenAIFront:
         admission: AdmissionController,
         max_prompt_bytes: int,
         tokens: TokenTable | None = None,
+        parsers: ChatParsers = ChatParsers(),
     ) -> None:
+        """`parsers`: vLLM's tool-call and reasoning parsers for chat answers (checked here,
+        against the tokenizer: a name vLLM does not know fails the router's start)."""
         self._orchestrator = orchestrator
+        self._parsers = parsers
+        self._parser_class = parsers.parser_class(tokenizer)
         self._tokenizer = tokenizer
         self.model_name = model_name
         self._admission = admission
@@ -150,7 +129,9 @@ class OpenAIFront:
             self._authorize(request)
             body = self._parse(CompletionRequest, COMPLETIONS, request, await request.body())
             prompt = await self._completion_prompt(body)
-            return await self._respond(request, body, prompt, _CompletionShape(self.model_name, body, self._tokenizer))
+            echo = await self._completion_echo(body, prompt) if body.echo else None
+            shape = CompletionShape(self.model_name, body, self._tokenizer, _choices(body), echo)
+            return await self._respond(request, body, prompt, shape)
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
@@ -158,8 +139,13 @@ class OpenAIFront:
 
             self._authorize(request)
             body = self._parse(ChatCompletionRequest, CHAT, request, await request.body())
+            ChatParsing.check(body, self._parser_class, self._parsers)
+            body = ChatParsing.adjusted(body, self._parser_class, self._tokenizer)
             prompt = await asyncio.to_thread(self._chat_prompt, body)
-            return await self._respond(request, body, prompt, _ChatShape(self.model_name, body, self._tokenizer))
+            parsing = ChatParsing(self._parser_class, body, self._tokenizer, list(prompt))
+            echo = _chat_echo(body) if body.echo else None
+            shape = ChatShape(self.model_name, body, self._tokenizer, _choices(body), echo, parsing)
+            return await self._respond(request, body, prompt, shape)
 
         return app
 
@@ -228,6 +214,14 @@ class OpenAIFront:
             return tuple(prompt)
         raise invalid("prompt: one string or one list of token ids per request", "prompt")
 
+    async def _completion_echo(self, body: Any, prompt: tuple[int, ...]) -> Echo:
+        """The prompt as vLLM echoes it: the text as sent, or token ids' text; with max_tokens
+        0, alone (vLLM then runs one token it does not return)."""
+        text = body.prompt[0] if isinstance(body.prompt, list) and len(body.prompt) == 1 else body.prompt
+        if not isinstance(text, str):
+            text = await asyncio.to_thread(self._tokenizer.decode, list(prompt))
+        return Echo(text, prompt, only=body.max_tokens == 0)
+
     def _chat_prompt(self, body: Any) -> tuple[int, ...]:
         size = len(json.dumps(body.messages, default=str).encode())
         if size > self._max_prompt_bytes:
@@ -239,11 +233,13 @@ class OpenAIFront:
                 raise
             raise invalid(f"messages: {err}", "messages") from None
 
-    def _sampling(self, body: Any, shape: "_Shape", prompt_tokens: int) -> SamplingConfig:
+    def _sampling(self, body: Any, shape: ResponseShape, prompt_tokens: int) -> SamplingConfig:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         max_tokens = shape.max_tokens(body)
         if max_tokens is None:  # chat: up to the context's end, as vLLM and OpenAI do
             max_tokens = max(1, self._orchestrator.limits.max_model_len - prompt_tokens)
+        if max_tokens == 0 and shape.echoes_only:
+            max_tokens = 1  # as vLLM: one token is run, the prompt alone returned
         return SamplingConfig(
             max_tokens=max_tokens,
             temperature=DEFAULT_TEMPERATURE if body.temperature is None else body.temperature,
@@ -264,11 +260,14 @@ class OpenAIFront:
             min_tokens=body.min_tokens,
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured=_structured(body),
+            prompt_logprobs=shape.prompt_logprobs_asked(body),
+            skip_special_tokens=body.skip_special_tokens,
+            spaces_between_special_tokens=body.spaces_between_special_tokens,
         )
 
     # --- response --------------------------------------------------------------------------
 
-    async def _respond(self, http: Request, body: Any, prompt: tuple[int, ...], shape: "_Shape") -> Any:
+    async def _respond(self, http: Request, body: Any, prompt: tuple[int, ...], shape: ResponseShape) -> Any:
         request = GenerateRequest(
             f"http-{uuid.uuid4().hex[:16]}", prompt, self._sampling(body, shape, len(prompt)), body.cache_salt or ""
         )
@@ -285,19 +284,20 @@ class OpenAIFront:
             raise HTTPError(429, str(err), "rate_limit_error", headers=retry, code="rate_limit_exceeded") from None
         except DrainingError as err:
             raise HTTPError(503, str(err), "service_unavailable") from None
-        events = self._events(request, slot)
+        requests = _choice_requests(request, shape.n)
+        events = self._events(requests, slot)
         if body.stream:
             options = body.stream_options
             include_usage = bool(options and options.include_usage)
             # vLLM's extension: usage so far in every chunk too
             continuous = include_usage and bool(options.continuous_usage_stats)
-            shape.chunk(None, None)  # builds the chunk template while prefill runs, off the first token's path
-            first = await _first_or_error(events)
+            shape.template()
+            first = await anext(events)  # a request failing before any token gets its HTTP status
             stream = shape.stream(first, events, include_usage, len(prompt) if continuous else None)
             return StreamingResponse(stream, media_type="text/event-stream")
         # Not streamed: nothing is written until the end, so watch the connection instead; a
         # client that leaves aborts the request on whichever engine holds it.
-        whole = asyncio.ensure_future(_collect(events))
+        whole = asyncio.ensure_future(collect(events, len(requests)))
         left = asyncio.ensure_future(_disconnected(http))
         await asyncio.wait((whole, left), return_when=asyncio.FIRST_COMPLETED)
         if not whole.done():
@@ -307,29 +307,29 @@ class OpenAIFront:
             log.info("request %s: the client left; aborted", request.request_id)
             return Response(status_code=499)  # nobody reads it (nginx's "client closed request")
         left.cancel()
-        output, result = whole.result()
-        return JSONResponse(shape.whole(output, result))
+        outputs, results = whole.result()
+        return JSONResponse(shape.whole(outputs, results))
 
     async def _events(
-        self, request: GenerateRequest, slot: contextlib.AbstractAsyncContextManager
-    ) -> AsyncIterator[Any]:
-        """The orchestrator's events; failures become HTTPError; the admission slot is held
-        until the stream ends (or the client leaves)."""
+        self, requests: list[GenerateRequest], slot: contextlib.AbstractAsyncContextManager
+    ) -> AsyncIterator[Event]:
+        """The orchestrator's events of every choice; failures become HTTPError; the admission
+        slot is held until the last choice ends (or the client leaves)."""
         try:
-            async for event in self._orchestrator.generate(request):
+            async for event in _choices_in_turn([self._orchestrator.generate(r) for r in requests]):
                 yield event
         except InvalidRequestError as err:  # an engine's own check (vLLM's SamplingParams)
             raise invalid(str(err), err.field) from None
         except tuple(UNAVAILABLE) as err:
-            log.warning("request %s: %s", request.request_id, err)
+            log.warning("request %s: %s", requests[0].request_id, err)
             message = next(text for kind, text in UNAVAILABLE.items() if isinstance(err, kind))
             raise HTTPError(503, message, "service_unavailable") from None
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception:
-            log.exception("request %s failed", request.request_id)
+            log.exception("request %s failed", requests[0].request_id)
             raise HTTPError(
-                500, f"internal error serving {request.request_id}; the router's log has details", "server_error"
+                500, f"internal error serving {requests[0].request_id}; the router's log has details", "server_error"
             ) from None
         finally:
             await slot.__aexit__(None, None, None)
@@ -348,16 +348,74 @@ _OUTCOMES = {
 _ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
 
 
-async def _collect(events: AsyncIterator[Any]) -> tuple[TokenChunk, GenerationResult]:
-    """The whole output as one chunk, and the result."""
-    chunks, result = [], None
-    async for event in events:
-        if isinstance(event, GenerationResult):
-            result = event
-        else:
-            chunks.append(event)
-    assert result is not None
-    return TokenChunk.joined(chunks) if chunks else TokenChunk((), ""), result
+def _chat_echo(body: Any) -> Echo | None:
+    """vLLM's chat echo: the last message's content, where its author is the one answering."""
+    last = body.messages[-1]
+    if last.get("role") != chat_role(body) or not last.get("content"):
+        return None
+    content = last["content"]
+    if not isinstance(content, str):
+        content = "\n".join(part["text"] for part in content if isinstance(part, dict) and "text" in part)
+    return Echo(content)
+
+
+def _choices(body: Any) -> int:
+    n = 1 if body.n is None else body.n
+    if not 1 <= n <= MAX_CHOICES:
+        raise invalid(f"n: must be in [1, {MAX_CHOICES}], got {n}", "n")
+    return n
+
+
+def _choice_requests(request: GenerateRequest, n: int) -> list[GenerateRequest]:
+    """The request's n choices as vLLM's parallel sampling makes them: choice i draws with seed
+    + i; the prompt's logprobs come once, with choice 0."""
+    sampling = request.sampling
+    return [request] + [
+        replace(
+            request,
+            request_id=f"{request.request_id}-{i}",
+            sampling=replace(sampling, seed=None if sampling.seed is None else sampling.seed + i, prompt_logprobs=None),
+        )
+        for i in range(1, n)
+    ]
+
+
+async def _choices_in_turn(streams: list[AsyncIterator[Any]]) -> AsyncIterator[Event]:
+    """The choices' events as they come, tagged with the choice. Choice 0 runs first; the
+    others start once its first event is in, when its prompt is in the prefill engine's prefix
+    cache: they compute only what the cache cannot hold (docs/api.md, "n")."""
+    if len(streams) == 1:
+        async for event in streams[0]:
+            yield 0, event
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    ended = object()
+
+    async def pump(index: int, stream: AsyncIterator[Any]) -> None:
+        try:
+            async for event in stream:
+                queue.put_nowait((index, event))
+            queue.put_nowait((index, ended))
+        except Exception as err:  # noqa: BLE001 (handed to the caller, which raises it)
+            queue.put_nowait((index, err))
+
+    tasks = [asyncio.create_task(pump(0, streams[0]))]
+    running = len(streams)
+    try:
+        while running:
+            index, event = await queue.get()
+            if isinstance(event, Exception):
+                raise event
+            if len(tasks) == 1:
+                tasks += [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams[1:], 1)]
+            if event is ended:
+                running -= 1
+            else:
+                yield index, event
+    finally:  # a failed choice, or the client left: stop the others on their engines too
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _disconnected(http: Request) -> None:
@@ -365,36 +423,6 @@ async def _disconnected(http: Request) -> None:
     server's next message for this request is the disconnect)."""
     while (await http.receive())["type"] != "http.disconnect":
         pass
-
-
-async def _first_or_error(events: AsyncIterator[Any]) -> Any:
-    """The first event, so that a request failing before any token gets a proper HTTP error
-    instead of a 200 stream that breaks off."""
-    return await anext(events)
-
-
-def _timings(result: GenerationResult) -> dict[str, Any]:
-    t = result.timings
-    return {
-        **{k: v for k, v in asdict(t).items() if k not in ("inter_token", "transfer_bytes")},
-        "inter_token_p50_s": t.inter_token.p50,
-        "inter_token_p99_s": t.inter_token.p99,
-        "attention_kv_bytes": t.transfer_bytes.attention_kv,
-        "deltanet_state_bytes": t.transfer_bytes.deltanet_state,
-        "prefill_worker": result.prefill_worker,
-        "decode_worker": result.decode_worker,
-    }
-
-
-def _usage(result: GenerationResult) -> Any:
-    from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
-
-    return UsageInfo(
-        prompt_tokens=result.prompt_tokens,
-        completion_tokens=result.completion_tokens,
-        total_tokens=result.prompt_tokens + result.completion_tokens,
-        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=result.cached_tokens),
-    )
 
 
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -432,198 +460,6 @@ def _structured(body: Any) -> StructuredOutput | None:
     return StructuredOutput(
         kind, spec, params.disable_any_whitespace, params.disable_additional_properties, params.whitespace_pattern
     )
-
-
-def _deprecated_max_tokens(body: Any) -> int | None:
-    """Chat's `max_tokens`, which OpenAI deprecated for max_completion_tokens but clients send."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return body.max_tokens
-
-
-def _sse(payload: Any) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n".encode()
-
-
-class _Shape:
-    """How one endpoint reads its fields and shapes its responses."""
-
-    def __init__(self, model_name: str, body: Any, tokenizer: Any) -> None:
-        self.model_name = model_name
-        # vLLM's response id: the client's request_id where it set one
-        self.id = f"{self.prefix}-{body.request_id if 'request_id' in body.model_fields_set else uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._template: dict[str, Any] | None = None
-        top = self.logprobs(body)
-        self._logprobs = None if top is None else LogprobsFormatter(tokenizer, top, body.return_tokens_as_token_ids)
-
-    prefix = "cmpl"
-
-    def max_tokens(self, body: Any) -> int | None:
-        return body.max_tokens
-
-    def logprobs(self, body: Any) -> int | None:
-        return body.logprobs
-
-    def param(self, field_name: str, body: Any) -> str:  # noqa: ARG002
-        """The request field a SamplingConfig/GenerateRequest field came from."""
-        return "prompt" if field_name == "prompt_token_ids" else field_name
-
-    def chunk(self, event: TokenChunk | None, finish: str | None) -> dict[str, Any]:
-        """One stream chunk. vLLM's model builds (and validates) the chunk once per stream;
-        each engine step only fills in its text: a pydantic model per token cost the HTTP
-        stream ~12% of its token rate against gRPC on this box (bench.http_vs_grpc)."""
-        if self._template is None:
-            self._template = self.empty_chunk()
-        chunk = dict(self._template)
-        choice = dict(chunk["choices"][0])
-        self.fill(choice, event.text if event else None)
-        if event is not None and self._logprobs is not None:
-            choice["logprobs"] = self.logprobs_of(event)
-        choice["finish_reason"] = finish
-        chunk["choices"] = [choice]
-        return chunk
-
-    def empty_chunk(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def fill(self, choice: dict[str, Any], text: str | None) -> None:
-        raise NotImplementedError
-
-    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
-        raise NotImplementedError
-
-    async def stream(
-        self, first: Any, events: Any, include_usage: bool, continuous_prompt_tokens: int | None
-    ) -> AsyncIterator[bytes]:
-        """`continuous_prompt_tokens`: put the usage so far in every chunk (None: don't)."""
-        generated = 0
-        try:
-            event = first
-            while True:
-                if isinstance(event, GenerationResult):
-                    final = self.chunk(None, event.finish_reason)
-                    final["pdserve_timings"] = _timings(event)
-                    if continuous_prompt_tokens is not None:
-                        final["usage"] = _usage(event).model_dump()
-                    yield _sse(final)
-                    if include_usage:
-                        usage = {**self.chunk(None, None), "choices": [], "usage": _usage(event).model_dump()}
-                        yield _sse(usage)
-                    break
-                chunk = self.chunk(event, None)
-                if continuous_prompt_tokens is not None:
-                    generated += len(event.token_ids)
-                    chunk["usage"] = {
-                        "prompt_tokens": continuous_prompt_tokens,
-                        "completion_tokens": generated,
-                        "total_tokens": continuous_prompt_tokens + generated,
-                    }
-                yield _sse(chunk)
-                event = await anext(events)
-        except HTTPError as err:  # mid-stream: the status line is sent, say it in the stream
-            yield _sse(err.body())
-        finally:  # the client left, or the stream ended: abort and free the slot now, not at GC
-            await events.aclose()
-        yield _sse("[DONE]")
-
-
-class _CompletionShape(_Shape):
-    prefix = "cmpl"
-
-    def empty_chunk(self) -> dict[str, Any]:
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponseStreamChoice, CompletionStreamResponse
-
-        choices = [CompletionResponseStreamChoice(index=0, text="")]
-        return CompletionStreamResponse(
-            id=self.id, created=self.created, model=self.model_name, choices=choices
-        ).model_dump()
-
-    def fill(self, choice: dict[str, Any], text: str | None) -> None:
-        choice["text"] = text or ""
-
-    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
-        return self._logprobs.completion(chunk)
-
-    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
-        from vllm.entrypoints.openai.completion.protocol import CompletionResponse, CompletionResponseChoice
-
-        logprobs = self.logprobs_of(output) if self._logprobs is not None else None
-        choice = CompletionResponseChoice(
-            index=0, text=output.text, logprobs=logprobs, finish_reason=result.finish_reason
-        )
-        response = CompletionResponse(
-            id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result)
-        )
-        return {**response.model_dump(), "pdserve_timings": _timings(result)}
-
-
-class _ChatShape(_Shape):
-    prefix = "chatcmpl"
-
-    def max_tokens(self, body: Any) -> int | None:
-        return body.max_completion_tokens if body.max_completion_tokens is not None else _deprecated_max_tokens(body)
-
-    def logprobs(self, body: Any) -> int | None:
-        return body.top_logprobs or 0 if body.logprobs else None
-
-    def param(self, field_name: str, body: Any) -> str:
-        if field_name == "max_tokens" and body.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        return {"logprobs": "top_logprobs", "prompt": "messages", "prompt_token_ids": "messages"}.get(
-            field_name, field_name
-        )
-
-    def empty_chunk(self) -> dict[str, Any]:
-        from vllm.entrypoints.generate.base.protocol import DeltaMessage
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponseStreamChoice,
-            ChatCompletionStreamResponse,
-        )
-
-        choices = [ChatCompletionResponseStreamChoice(index=0, delta=DeltaMessage(content=""))]
-        return ChatCompletionStreamResponse(
-            id=self.id, created=self.created, model=self.model_name, choices=choices
-        ).model_dump()
-
-    def fill(self, choice: dict[str, Any], text: str | None) -> None:
-        # Only the fields a delta sets, as vLLM sends them (exclude_unset); the role in the
-        # first delta only, as OpenAI does.
-        if text is None:
-            choice["delta"] = {}
-        elif self._role_sent:
-            choice["delta"] = {"content": text}
-        else:
-            choice["delta"] = {"role": "assistant", "content": text}
-            self._role_sent = True
-
-    _role_sent = False
-
-    def logprobs_of(self, chunk: TokenChunk) -> dict[str, Any]:
-        return self._logprobs.chat(chunk)
-
-    def whole(self, output: TokenChunk, result: GenerationResult) -> dict[str, Any]:
-        from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionResponse,
-            ChatCompletionResponseChoice,
-            ChatMessage,
-        )
-
-        logprobs = self.logprobs_of(output) if self._logprobs is not None else None
-        message = ChatMessage(role="assistant", content=output.text)
-        choice = ChatCompletionResponseChoice(
-            index=0, message=message, logprobs=logprobs, finish_reason=result.finish_reason
-        )
-        response = ChatCompletionResponse(
-            id=self.id, created=self.created, model=self.model_name, choices=[choice], usage=_usage(result)
-        )
-        return {**response.model_dump(), "pdserve_timings": _timings(result)}
 
 
 class HTTPServer:
@@ -674,7 +510,9 @@ def _reusable_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def openai_front_for(router_server: Any, tokenizer: Any, model_name: str) -> OpenAIFront:
+def openai_front_for(
+    router_server: Any, tokenizer: Any, model_name: str, parsers: ChatParsers = ChatParsers()
+) -> OpenAIFront:
     """The HTTP front sharing a gRPC RouterServer's orchestrator, admission and tokens."""
     return OpenAIFront(
         router_server.orchestrator,
@@ -683,4 +521,5 @@ def openai_front_for(router_server: Any, tokenizer: Any, model_name: str) -> Ope
         router_server.admission,
         router_server.max_prompt_bytes,
         router_server.front.tokens,
+        parsers,
     )

@@ -55,6 +55,17 @@ def _as_vllm(chunk: TokenChunk) -> list[dict[int, Any]]:
     return positions
 
 
+def vllm_prompt_logprobs(positions: tuple) -> list[dict[int, Any] | None]:
+    """A chunk's prompt logprobs as vLLM's engine gives them (its dict order, its ranks), with
+    -inf as -9999.0 (vLLM's clamp_prompt_logprobs: JSON has no infinity)."""
+    from vllm.logprobs import Logprob
+
+    return [
+        None if entries is None else {t: Logprob(max(lp, -9999.0), rank, text) for t, lp, rank, text in entries}
+        for entries in positions
+    ]
+
+
 class LogprobsFormatter:
     """One request's logprobs, chunk by chunk (`top`: the alternatives it asked for)."""
 
@@ -66,11 +77,19 @@ class LogprobsFormatter:
         self._top = top
         self._text_offset = 0  # completions: where the next chunk's text starts
 
-    def completion(self, chunk: TokenChunk) -> dict[str, Any]:
+    def completion(
+        self, chunk: TokenChunk, echo_ids: tuple[int, ...] = (), echo_logprobs: tuple = (), echo_chars: int = 0
+    ) -> dict[str, Any]:
+        """`echo_ids`, `echo_logprobs`: the prompt's tokens and logprobs, echoed before the
+        chunk's (vLLM lists them as one run); `echo_chars`: the echoed text's length."""
         formatted = self._format.completion(
-            chunk.token_ids, _as_vllm(chunk), self._top, self._tokenizer, initial_text_offset=self._text_offset
+            [*echo_ids, *chunk.token_ids],
+            [*(vllm_prompt_logprobs(echo_logprobs) if echo_logprobs else [None] * len(echo_ids)), *_as_vllm(chunk)],
+            self._top,
+            self._tokenizer,
+            initial_text_offset=self._text_offset,
         )
-        self._text_offset += len(chunk.text)
+        self._text_offset += echo_chars + len(chunk.text)
         return formatted.model_dump()
 
     def chat(self, chunk: TokenChunk) -> dict[str, Any]:

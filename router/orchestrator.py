@@ -91,7 +91,7 @@ class PrefillPlan:
     decode engine itself (`route` None)."""
 
     route: RouteDecision | None
-    reason: Literal["prefill pool", "colocated", "short prompt", "no live prefill engine"]
+    reason: Literal["prefill pool", "colocated", "short prompt", "prompt logprobs", "no live prefill engine"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -236,14 +236,19 @@ class Orchestrator:
         return Failover("migrate", f"migration {migrations + 1} of at most {limit}", migrations)
 
     def plan_prefill(self, request: GenerateRequest, cached: Mapping[str, int] | None = None) -> PrefillPlan:
-        """Prefill on the prefill pool, or (colocated, short prompt, or no live prefill engine
-        under policy "local") leave the prompt to the decode engine. `cached`: the prompt
+        """Prefill on the prefill pool, or (colocated, short prompt, prompt logprobs of a
+        request decode samples whole, or no live prefill engine under policy "local") leave
+        the prompt to the decode engine. `cached`: the prompt
         tokens each prefill engine holds, by name (`cached_prefixes`). No I/O."""
         if self.colocated:
             return PrefillPlan(None, "colocated")
         prompt = len(request.prompt_token_ids)
         if prompt < self.policy.local_prefill_below:
             return PrefillPlan(None, "short prompt")
+        if request.sampling.prompt_logprobs is not None and request.sampling.decoded_whole:
+            # Prefill would stop one prompt token short (kv_transfer/producer.py), so the
+            # last token's logprob would be missing: the engine that computes it all returns them.
+            return PrefillPlan(None, "prompt logprobs")
         try:
             return PrefillPlan(self.prefill.pick_prefill(prompt, cached), "prefill pool")
         except NoWorkerError:

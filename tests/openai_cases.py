@@ -129,6 +129,8 @@ CASES |= {
     ),
 }
 CHAT_MESSAGES = [{"role": "user", "content": "Prefill processes the prompt and creates state"}]
+N_CHOICES = 3
+PROMPT_LOGPROBS = 2
 
 
 @dataclass(frozen=True)
@@ -137,6 +139,8 @@ class Output:
     text: str
     finish_reason: str | None
     logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)  # best first, top 20
+    # Per prompt token (None for the first): (token id, logprob, rank, text), its own first.
+    prompt_logprobs: tuple = ()
 
     @property
     def margins(self) -> list[float]:
@@ -159,14 +163,15 @@ def _prompts(model_path: str) -> dict[str, tuple[int, ...]]:
 
 
 async def _run(actor, request: GenerateRequest) -> Output:
-    tokens, texts, logprobs, finish = [], [], [], None
+    tokens, texts, logprobs, finish, prompt_logprobs = [], [], [], None, ()
     async for ref in actor.generate.remote(request):
         chunk = await ref
         tokens += chunk.token_ids
         texts.append(chunk.text)
         logprobs += chunk.logprobs
         finish = chunk.finish_reason
-    return Output(tokens, "".join(texts), finish, logprobs)
+        prompt_logprobs = prompt_logprobs or chunk.prompt_logprobs
+    return Output(tokens, "".join(texts), finish, logprobs, prompt_logprobs)
 
 
 def reference_outputs(ray, engine_config, model_path: str) -> Colocated:
@@ -204,6 +209,13 @@ def reference_outputs(ray, engine_config, model_path: str) -> Colocated:
         outputs |= await run_cases([name for name in CASES if name not in any_cases])
         chat = SamplingConfig(max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=20)
         outputs["chat_logprobs"] = await _run(actor, GenerateRequest("ref-chat", prompts["chat"], chat))
+        # n > 1: vLLM's choice i samples with seed + i (the "seed" case is choice 0).
+        for i in range(1, N_CHOICES):
+            seeded = SamplingConfig(**{"max_tokens": MAX_TOKENS, **CASES["seed"].sampling, "logprobs": 20})
+            seeded = dataclasses.replace(seeded, seed=seeded.seed + i)
+            outputs[f"seed+{i}"] = await _run(actor, GenerateRequest(f"ref-seed{i}", prompts["any"], seeded))
+        scored = SamplingConfig(max_tokens=1, prompt_logprobs=PROMPT_LOGPROBS, logprobs=20)
+        outputs["prompt_logprobs"] = await _run(actor, GenerateRequest("ref-plp", prompts["short"], scored))
         return outputs
 
     try:

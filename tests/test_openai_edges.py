@@ -48,11 +48,26 @@ class FakeOrchestrator:
         sampling_params(request.sampling)  # vLLM's own checks, as the engines run them
         self.requests.append(request)
         n = min(3, request.sampling.max_tokens)
+        prompt_logprobs = ()
+        if request.sampling.prompt_logprobs is not None:  # the prompt token first, then the best
+            prompt_logprobs = (None,) + tuple(
+                (
+                    (t, -1.5, 4, None),
+                    *((9 + k, -0.2 * (k + 1), k + 1, None) for k in range(request.sampling.prompt_logprobs)),
+                )
+                for t in request.prompt_token_ids[1:]
+            )
         for i in range(n):
             top = ()
             if request.sampling.logprobs is not None:
                 top = (tuple((7 + i + k, -0.1 * (k + 1)) for k in range(max(1, request.sampling.logprobs))),)
-            yield TokenChunk((7 + i,), f" w{i}", "length" if i == n - 1 else None, top)
+            yield TokenChunk(
+                (7 + i,),
+                f" w{i}",
+                "length" if i == n - 1 else None,
+                top,
+                prompt_logprobs=prompt_logprobs if i == 0 else (),
+            )
         timings = PhaseTimings(0, 0, 0, 0, LatencySummary.of([]), 0, 0, TransferBytes(0, 0))
         yield GenerationResult("length", len(request.prompt_token_ids), n, timings, "prefill-0", "decode-0")
 
@@ -112,7 +127,10 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         (COMPLETIONS, {"prompt": [[1, 2], [3, 4]]}, "prompt"),
         (COMPLETIONS, {"prompt": [[[1]]]}, "prompt"),
         (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
-        (COMPLETIONS, {"prompt": "a b c", "n": 2}, "n"),
+        (COMPLETIONS, {"prompt": "a b c", "n": 17}, "n"),
+        (COMPLETIONS, {"prompt": "a b c", "n": 0}, "n"),
+        (COMPLETIONS, {"prompt": "a b c", "prompt_logprobs": 21}, "prompt_logprobs"),
+        (COMPLETIONS, {"prompt": "a b c", "prompt_logprobs": 2, "stream": True}, "prompt_logprobs"),
         (COMPLETIONS, {"prompt": "a b c", "n": "two"}, "n"),
         (COMPLETIONS, {"prompt": "a b c", "temperature": "hot"}, "temperature"),
         (COMPLETIONS, {"prompt": "a b c", "top_p": 0}, "top_p"),
@@ -148,7 +166,7 @@ def assert_openai_error(response: httpx.Response, status: int, param: str | None
         (CHAT, {"messages": MESSAGES, "min_tokens": 9, "max_completion_tokens": 3}, "min_tokens"),
         (CHAT, {"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
         (CHAT, {"messages": MESSAGES, "stream_options": {"include_usage": True}}, "stream_options"),
-        (CHAT, {"messages": MESSAGES, "n": 3}, "n"),
+        (CHAT, {"messages": MESSAGES, "n": -1}, "n"),
     ],
 )
 def test_malformed_body_is_400_naming_the_field(front, path, body, param):
@@ -223,6 +241,66 @@ def test_chat_stream_carries_the_role_in_the_first_delta_only(front):
     assert "".join(d.get("content", "") for d in deltas) == " w0 w1 w2"
 
 
+def test_n_choices_draw_as_vllms_parallel_sampling_does(front):
+    """Choice i samples with seed + i; the prompt's logprobs are asked for once; usage counts
+    the prompt once and every choice's tokens."""
+    body = {"prompt": "a b c", "n": 3, "max_tokens": 2, "seed": 40, "temperature": 1.0, "prompt_logprobs": 1}
+    response = _post(front, COMPLETIONS, body)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    assert all(c["text"] == " w0 w1" and c["prompt_logprobs"][0] is None for c in answer["choices"])
+    requests = front._orchestrator.requests[-3:]
+    assert [r.sampling.seed for r in requests] == [40, 41, 42]
+    assert [r.sampling.prompt_logprobs for r in requests] == [1, None, None]
+    prompt = len(requests[0].prompt_token_ids)
+    assert answer["usage"]["prompt_tokens"] == prompt and answer["usage"]["completion_tokens"] == 6
+
+
+def test_n_choices_stream_with_their_index_role_and_finish(front):
+    body = {"messages": MESSAGES, "n": 2, "stream": True, "max_tokens": 3, "stream_options": {"include_usage": True}}
+    chunks = _events(_post(front, CHAT, body))
+    for index in (0, 1):
+        deltas = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        assert deltas[0]["delta"]["role"] == "assistant"
+        assert "".join(d["delta"].get("content", "") for d in deltas) == " w0 w1 w2"
+        assert [d["finish_reason"] for d in deltas if d["finish_reason"]] == ["length"]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 6
+
+
+def test_echo_returns_the_prompt_with_its_logprobs_before_the_output(front, tokenizer):
+    prompt = "Why split prefill from decode?"
+    ids = tokenizer.encode(prompt)
+    answer = _post(front, COMPLETIONS, {"prompt": prompt, "echo": True, "max_tokens": 2, "logprobs": 1}).json()
+    choice = answer["choices"][0]
+    assert choice["text"] == prompt + " w0 w1"
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 2
+    assert logprobs["token_logprobs"][0] is None and logprobs["token_logprobs"][1] == -1.5  # the prompt's own token
+    assert front._orchestrator.requests[-1].sampling.prompt_logprobs == 1  # vLLM's: echo asks as many as logprobs
+    streamed = _events(_post(front, COMPLETIONS, {"prompt": ids, "echo": True, "max_tokens": 2, "stream": True}))
+    assert streamed[0]["choices"][0]["text"] == tokenizer.decode(ids) + " w0"
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(front):
+    body = {"prompt": "a b c", "echo": True, "max_tokens": 0, "logprobs": 0}
+    choice = _post(front, COMPLETIONS, body).json()["choices"][0]
+    assert choice["text"] == "a b c"
+    assert len(choice["logprobs"]["tokens"]) == len(front._orchestrator.requests[-1].prompt_token_ids)
+    assert front._orchestrator.requests[-1].sampling.max_tokens == 1
+
+
+def test_chat_echo_repeats_the_assistants_last_words(front):
+    messages = [*MESSAGES, {"role": "assistant", "content": "Because"}]
+    body = {"messages": messages, "echo": True, "max_tokens": 2, "add_generation_prompt": False,
+            "continue_final_message": True}  # fmt: skip
+    answer = _post(front, CHAT, body).json()
+    assert answer["choices"][0]["message"] == {**answer["choices"][0]["message"], "content": "Because w0 w1"}
+    assert answer["prompt_logprobs"][0] is None  # vLLM's chat echo asks for top_logprobs (0) of the prompt
+    plain = _post(front, CHAT, {"messages": MESSAGES, "echo": True, "max_tokens": 2}).json()
+    assert plain["choices"][0]["message"]["content"] == " w0 w1"  # the user spoke last: nothing to echo
+
+
 def bodies(path: str, model: str = MODEL):
     """Bodies a careless or hostile client sends: a valid request, some of whose fields (and
     some unknown ones) take values of every type, nested, out of range."""
@@ -242,7 +320,8 @@ def bodies(path: str, model: str = MODEL):
         "messages": st.lists(message, min_size=1, max_size=3),
         "max_tokens": small,
         "max_completion_tokens": small,
-        "n": st.sampled_from([1, 1.0, 1, 2]),
+        "n": st.sampled_from([1, 1.0, 2, 3, 17]),
+        "prompt_logprobs": st.one_of(st.none(), small),
         "temperature": st.floats(0, 2.01),
         "top_p": st.floats(0, 1),
         "top_k": small,

@@ -273,3 +273,78 @@ def test_vllm_bench_serve_runs_a_poisson_benchmark_with_goodput(served, model_pa
     assert "Successful requests:                     16" in run.stdout, run.stdout[-3000:]
     assert "Failed requests:" not in run.stdout or "Failed requests:                         0" in run.stdout
     assert "Request goodput (req/s):" in run.stdout
+
+
+def _assert_prompt_logprobs(got: list, ref: tuple, prompt: list[int], top: int) -> None:
+    """Each prompt token's logprob and rank, and the alternatives clear of a near-tie, as the
+    colocated engine gave them (`got`: vLLM's JSON, {token id: {logprob, rank, ...}})."""
+    from openai_cases import LOGPROB_TOLERANCE
+
+    assert got[0] is None and ref[0] is None and len(got) == len(ref) == len(prompt)
+    for position in range(1, len(prompt)):
+        entries = {int(t): v for t, v in got[position].items()}
+        own, *others = ref[position]
+        assert own[0] == prompt[position]
+        assert entries[own[0]]["logprob"] == pytest.approx(own[1], abs=LOGPROB_TOLERANCE), position
+        clear = [t for t, lp, _, _ in others if all(abs(lp - o[1]) > 0.05 for o in others if o[0] != t)]
+        assert set(clear[:top]) <= set(entries), (position, entries, others)
+
+
+def test_prompt_logprobs_come_from_the_engine_that_computed_the_whole_prompt(served, colocated):
+    """prompt_logprobs through P/D: from prefill where it samples the first token, from the
+    decode engine (which then prefills the prompt itself) where decode samples every token
+    (a seed); both equal a colocated engine's. And lm-eval-harness's scoring request (echo,
+    max_tokens 0, logprobs) never leaves prefill."""
+    from openai_cases import CASES, PROMPT_LOGPROBS
+
+    prompt = list(colocated.prompts["short"])
+    ref = colocated.outputs["prompt_logprobs"].prompt_logprobs
+    url = f"http://{served.http.address}/v1/completions"
+    base = {"model": MODEL, "prompt": prompt, "max_tokens": 4, "prompt_logprobs": PROMPT_LOGPROBS}
+    for fields, prefill in (({"temperature": 0}, "prefill-0"), (CASES["seed"].body, "")):
+        answer = httpx.post(url, json={**base, **fields}, timeout=120).json()
+        assert answer["pdserve_timings"]["prefill_worker"] == prefill, answer["pdserve_timings"]
+        _assert_prompt_logprobs(answer["choices"][0]["prompt_logprobs"], ref, prompt, PROMPT_LOGPROBS)
+
+    scoring = {"model": MODEL, "prompt": prompt, "echo": True, "max_tokens": 0, "logprobs": 1, "temperature": 0}
+    answer = httpx.post(url, json=scoring, timeout=120).json()
+    assert answer["pdserve_timings"]["prefill_worker"] == "prefill-0" and not answer["pdserve_timings"]["decode_worker"]
+    logprobs = answer["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) and logprobs["token_logprobs"][0] is None
+    for position in range(1, len(prompt)):
+        assert logprobs["token_logprobs"][position] == pytest.approx(ref[position][0][1], abs=0.1), position
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_n_choices_through_pd_draw_what_a_colocated_engines_choices_draw(served, colocated):
+    """n = 3, seeded: choice i is what a colocated vLLM engine draws for it (seed + i)."""
+    from openai_cases import CASES, MAX_TOKENS, N_CHOICES, _token_id
+
+    body = {"model": MODEL, "prompt": list(colocated.prompts["any"]), "max_tokens": MAX_TOKENS, **CASES["seed"].body,
+            "n": N_CHOICES, "logprobs": 0, "return_tokens_as_token_ids": True}  # fmt: skip
+    answer = httpx.post(f"http://{served.http.address}/v1/completions", json=body, timeout=120).json()
+    assert [c["index"] for c in answer["choices"]] == list(range(N_CHOICES))
+    for i, choice in enumerate(answer["choices"]):
+        ref = colocated.outputs["seed" if i == 0 else f"seed+{i}"]
+        assert [_token_id(t) for t in choice["logprobs"]["tokens"]] == ref.tokens, i
+    assert len({tuple(c["logprobs"]["tokens"]) for c in answer["choices"]}) > 1  # the seeds differ
+    assert answer["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in answer["choices"])
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_later_choices_start_from_the_first_ones_cached_prompt(served):
+    """Choices after the first start once its prompt is in the prefill engine's prefix cache:
+    they compute only what the cache does not hold."""
+    import uuid
+
+    from reference import PROMPTS
+
+    block = next(iter(served.dep.capacities.values())).block_size
+    prompt = list(PROMPTS["over_one_block"])
+    assert len(prompt) > block
+    body = {"model": MODEL, "prompt": prompt, "n": 2, "max_tokens": 4, "temperature": 0, "cache_salt": uuid.uuid4().hex}
+    answer = httpx.post(f"http://{served.http.address}/v1/completions", json=body, timeout=120).json()
+    first, second = answer["pdserve_choice_timings"]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] >= block, (first, second)
+    assert answer["choices"][0]["text"] == answer["choices"][1]["text"]  # greedy
+    assert_no_blocks_held(served.dep, timeout_s=10)

@@ -11,7 +11,7 @@ from messages.results import TokenChunk
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-    from vllm.outputs import CompletionOutput
+    from vllm.outputs import RequestOutput
     from vllm.sampling_params import StructuredOutputsParams
 
 
@@ -38,6 +38,9 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         min_tokens=sampling.min_tokens,
         include_stop_str_in_output=sampling.include_stop_str_in_output,
         structured_outputs=structured_outputs_params(sampling.structured),
+        prompt_logprobs=sampling.prompt_logprobs,
+        skip_special_tokens=sampling.skip_special_tokens,
+        spaces_between_special_tokens=sampling.spaces_between_special_tokens,
     )
     fields.update(overrides)
     # A prefill leg of one token holds what min_tokens asks of its token; decode's leg gets
@@ -83,12 +86,28 @@ def as_invalid_request(exc: Exception) -> Exception:
     return exc
 
 
-def token_chunk(completion: "CompletionOutput", finish_reason: str | None, cached_tokens: int | None) -> TokenChunk:
-    """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now;
-    `cached_tokens` is the output's num_cached_tokens."""
+def token_chunk(output: "RequestOutput", finish_reason: str | None) -> TokenChunk:
+    """One output of a request (its new tokens, with DELTA outputs) as a chunk, stamped now."""
+    completion = output.outputs[0]
     logprobs, texts = _top_logprobs(completion.logprobs)
     return TokenChunk(
-        tuple(completion.token_ids), completion.text, finish_reason, logprobs, time.time(), texts, cached_tokens or 0
+        tuple(completion.token_ids),
+        completion.text,
+        finish_reason,
+        logprobs,
+        time.time(),
+        texts,
+        output.num_cached_tokens or 0,
+        _prompt_logprobs(output.prompt_logprobs),
+    )
+
+
+def _prompt_logprobs(positions) -> tuple:  # noqa: ANN001 (vLLM's PromptLogprobs)
+    if not positions:
+        return ()
+    return tuple(
+        None if p is None else tuple((t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in p.items())
+        for p in positions
     )
 
 
