@@ -108,9 +108,17 @@ class ServedStack:
     health polls between a test's client calls)."""
 
     def __init__(
-        self, dep, model_path: str, health_interval_s: float = 0.2, front=None, credentials=None, http_model=None
+        self,
+        dep,
+        model_path: str,
+        health_interval_s: float = 0.2,
+        front=None,
+        credentials=None,
+        http_model=None,
+        chat=None,
     ) -> None:
-        """`http_model`: also serve the OpenAI HTTP API under this model name (`self.http`)."""
+        """`http_model`: also serve the OpenAI HTTP API under this model name (`self.http`),
+        `chat`: with these tool-call and reasoning parsers (router.chat_parsing.ChatParsers)."""
         import threading
 
         from controller.local_stack import LocalStack
@@ -129,6 +137,7 @@ class ServedStack:
             http="127.0.0.1:0" if http_model else None,
             served_model_name=http_model,
             health_interval_s=health_interval_s,
+            **({"chat": chat} if chat is not None else {}),
         )
         assert self.stack.model == model_path, (self.stack.model, model_path)
         asyncio.run_coroutine_threadsafe(self.stack.start(), self.loop).result()

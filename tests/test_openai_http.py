@@ -28,7 +28,10 @@ def engines(engine_config):
 @pytest.fixture(scope="module")
 def served(ray_cluster, engines, model_path, colocated):
     # After the colocated references: one set of engines at a time on the test box's cores.
-    stack = ServedStack(Deployment(DeploymentConfig(engine=engines)), model_path, http_model=MODEL)
+    from router.chat_parsing import ChatParsers
+
+    chat = ChatParsers(tool_call_parser="hermes", enable_auto_tool_choice=True)
+    stack = ServedStack(Deployment(DeploymentConfig(engine=engines)), model_path, http_model=MODEL, chat=chat)
     yield stack
     stack.close()
 
@@ -347,4 +350,40 @@ def test_later_choices_start_from_the_first_ones_cached_prompt(served):
     first, second = answer["pdserve_choice_timings"]
     assert first["cached_tokens"] == 0 and second["cached_tokens"] >= block, (first, second)
     assert answer["choices"][0]["text"] == answer["choices"][1]["text"]  # greedy
+    assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_named_and_required_tool_calls_through_pd(served):
+    """tool_choice named (streamed) and required, with vLLM's hermes parser: decode samples
+    the whole call under the parser's structural tag; the answer is a call of the tools given,
+    its arguments JSON, its finish reason OpenAI's."""
+    from test_chat_parsing import CLOCK, WEATHER
+
+    client = openai.OpenAI(base_url=f"http://{served.http.address}/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": PROMPT}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    stream = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice=named, max_tokens=60, temperature=0,
+        stream=True,
+    )  # fmt: skip
+    calls, finish = {}, None
+    for chunk in stream:
+        for call in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(call.index, {"name": "", "arguments": ""})
+            entry["name"] += (call.function and call.function.name) or ""
+            entry["arguments"] += (call.function and call.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert [c["name"] for c in calls.values()] == ["get_weather"] and finish == "stop", (calls, finish)
+    assert isinstance(json.loads(calls[0]["arguments"]), dict)
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER, CLOCK], tool_choice="required", max_tokens=60, temperature=0
+    )
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls, choice
+    for call in choice.message.tool_calls:
+        assert call.function.name in ("get_weather", "get_time") and isinstance(
+            json.loads(call.function.arguments), dict
+        )
+    assert answer.model_extra["pdserve_timings"]["prefill_worker"] == "prefill-0"
     assert_no_blocks_held(served.dep, timeout_s=10)
