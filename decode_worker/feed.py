@@ -25,6 +25,7 @@ from typing import AsyncIterator, Callable
 from messages.requests import GenerateRequest
 from messages.results import (
     FEED_FRAME_HEADER_BYTES,
+    FEED_HEARTBEAT_S,
     FEED_MAX_COMMAND_BYTES,
     FEED_TIMEOUT_S,
     AbortLeg,
@@ -44,6 +45,7 @@ class _Feed:
     streaming: bool = False  # its subscriber is reading it
     renewed_at: float = field(default_factory=time.monotonic)
     expired: bool = False  # not renewed in time: its subscriber is gone
+    sent_at: float = field(default_factory=time.monotonic)  # its last batch, heartbeats included
 
     def put(self, event: LegEvent) -> None:
         self.pending.append(event)
@@ -53,11 +55,12 @@ class _Feed:
 class FeedHub:
     """The feeds of one decode worker, and the requests ("legs") each one carries."""
 
-    def __init__(self, timeout_s: float = FEED_TIMEOUT_S) -> None:
+    def __init__(self, timeout_s: float = FEED_TIMEOUT_S, heartbeat_s: float = FEED_HEARTBEAT_S) -> None:
         self._feeds: dict[str, _Feed] = {}
         self._legs: dict[str, asyncio.Task[None]] = {}
         self._closed: set[str] = set()  # subscribers whose feed ended: nobody would read theirs
         self._timeout_s = timeout_s
+        self._heartbeat_s = heartbeat_s
         self._reaper: asyncio.Task[None] | None = None
 
     async def stream(self, subscriber: str) -> AsyncIterator[list[LegEvent]]:
@@ -72,7 +75,8 @@ class FeedHub:
                 if feed.expired:
                     return
                 batch, feed.pending = feed.pending, []
-                yield batch
+                feed.sent_at = time.monotonic()
+                yield batch  # empty: a heartbeat (FEED_HEARTBEAT_S)
         finally:
             self._closed.add(subscriber)
             self._feeds.pop(subscriber, None)
@@ -85,7 +89,7 @@ class FeedHub:
         feed.streaming = True
         feed.renewed_at = time.monotonic()
         if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(self._expire_unrenewed())
+            self._reaper = asyncio.get_running_loop().create_task(self._tend())
         return feed
 
     def is_streaming(self, subscriber: str) -> bool:
@@ -97,13 +101,18 @@ class FeedHub:
         if feed is not None:
             feed.renewed_at = time.monotonic()
 
-    async def _expire_unrenewed(self) -> None:
+    async def _tend(self) -> None:
+        """End the feeds not renewed in time; have the quiet ones send a heartbeat."""
         while self._feeds:
-            await asyncio.sleep(self._timeout_s / 10)
-            deadline = time.monotonic() - self._timeout_s
+            await asyncio.sleep(min(self._timeout_s / 10, self._heartbeat_s / 2))
+            now = time.monotonic()
             for feed in list(self._feeds.values()):
-                if feed.streaming and feed.renewed_at < deadline:
+                if not feed.streaming:
+                    continue
+                if feed.renewed_at < now - self._timeout_s:
                     feed.expired = True
+                    feed.ready.set()
+                elif feed.sent_at < now - self._heartbeat_s:
                     feed.ready.set()
 
     def start(self, subscriber: str, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:

@@ -61,6 +61,10 @@ class TokenChunk(PicklesPositionally):
 # the decode engine aborts every request still on it.
 FEED_TIMEOUT_S = 10.0
 FEED_RENEW_S = 1.0
+# A decode actor writes to each feed at least this often, an empty batch when it has nothing
+# else: a router tells a quiet engine (busy prefilling a long prompt, or a request queued
+# behind others) from a gone one (dead, stuck, or cut off) by whether its feed still speaks.
+FEED_HEARTBEAT_S = 1.0
 # On a feed's connection (decode_worker/feed.py <-> router/feeds.py), a frame is the
 # payload's length in these many bytes (big-endian), then the pickled payload: from the
 # actor, a list of LegEvents (an empty frame first tells the router its feed is open: it may

@@ -26,17 +26,19 @@ class LegInbox:
     router's busiest path. Here a token costs a list append; a stalled request is found by
     its feed's periodic check instead of a timer per token."""
 
-    __slots__ = ("_events", "_loop", "_waiter", "last_event_at")
+    __slots__ = ("_events", "_loop", "_waiter", "last_event_at", "started")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._events: list[LegEvent | BaseException] = []
         self._loop = loop
         self._waiter: asyncio.Future[None] | None = None
         self.last_event_at = time.monotonic()
+        self.started = False  # an event came: the engine is decoding it
 
     def put(self, event: LegEvent | BaseException) -> None:
         self._events.append(event)
         self.last_event_at = time.monotonic()
+        self.started = True
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -56,15 +58,17 @@ class DecodeFeed:
     """This router's feed from the decode actor `name`, and its requests' way in: each is
     started and aborted with a frame on the feed's connection, and reads its own inbox of
     LegEvents; if the feed breaks (the actor died), every request on it gets a FeedLostError,
-    and a request that hears nothing for `stall_timeout_s` gets a LegStalledError. Closing
-    it ends the feed on the actor, with every request on it; while it runs, the router also
-    renews its lease there (which ends a feed whose router vanished without closing it)."""
+    and a stalled request a LegStalledError (`fail_stalled` says when). Closing it ends the
+    feed on the actor, with every request on it; while it runs, the router also renews its
+    lease there (which ends a feed whose router vanished without closing it)."""
 
-    def __init__(self, name: str, actor: Any, stall_timeout_s: float) -> None:
+    def __init__(self, name: str, actor: Any, stall_timeout_s: float, first_event_timeout_s: float) -> None:
         self.name = name
         self.actor = actor
         self.subscriber = f"router-{uuid.uuid4().hex}"
         self._stall_timeout_s = stall_timeout_s
+        self._first_event_timeout_s = first_event_timeout_s
+        self._heard_at = time.monotonic()  # the feed's last frame (heartbeats included)
         self._legs: dict[str, LegInbox] = {}
         self._writer: asyncio.StreamWriter | None = None
         self._loop = asyncio.get_running_loop()
@@ -124,16 +128,20 @@ class DecodeFeed:
             await asyncio.sleep(FEED_RENEW_S)
 
     def fail_stalled(self) -> None:
-        """Every request that has heard nothing for `stall_timeout_s` gets a LegStalledError
-        (it then aborts itself on the actor, and moves to another one)."""
-        quiet_since = time.monotonic() - self._stall_timeout_s
+        """A request stalls, gets a LegStalledError (then aborts itself on the actor, and
+        moves to another one), when it hears nothing for `stall_timeout_s` and either the
+        whole feed was as quiet (the actor is gone, stuck or cut off: its heartbeats stopped)
+        or its tokens had begun (decoding stopped). Before its first token a request on a
+        live feed may wait `first_event_timeout_s`: it may be prefilling a long prompt on the
+        decode engine, or queued there behind others."""
+        now = time.monotonic()
+        feed_silent = now - self._heard_at > self._stall_timeout_s
         for leg_id, inbox in self._legs.items():
-            if inbox.last_event_at < quiet_since:
-                inbox.put(
-                    LegStalledError(
-                        f"decode actor {self.name} sent nothing for {self._stall_timeout_s:.0f}s while serving {leg_id}"
-                    )
-                )
+            quiet = now - inbox.last_event_at
+            limit = self._stall_timeout_s if inbox.started or feed_silent else self._first_event_timeout_s
+            if quiet > limit:
+                why = "sent nothing" if feed_silent else "sent no token of it"
+                inbox.put(LegStalledError(f"decode actor {self.name} {why} for {quiet:.0f}s while serving {leg_id}"))
 
     async def _run(self) -> None:
         writer: asyncio.StreamWriter | None = None
@@ -144,10 +152,13 @@ class DecodeFeed:
             if int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big") != 0:
                 raise ConnectionError("the decode actor did not open the feed")
             self._writer = writer
+            self._heard_at = time.monotonic()
             self._opened.set_result(None)
             while True:
                 size = int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big")
-                for event in pickle.loads(await reader.readexactly(size)):
+                batch = pickle.loads(await reader.readexactly(size))
+                self._heard_at = time.monotonic()
+                for event in batch:
                     inbox = self._legs.get(event.leg_id)
                     if inbox is not None:  # None: the request left and aborted it
                         inbox.put(event)

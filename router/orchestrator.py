@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError
 
 from messages.errors import DecodeFailedError, FeedLostError, LegStalledError, NoWorkerError, PrefillTimeoutError
 from messages.requests import GenerateRequest, ModelLimits
-from messages.results import GenerationResult, PrefillResult, TokenChunk
+from messages.results import FEED_HEARTBEAT_S, GenerationResult, PrefillResult, TokenChunk
 from configuration.fields import knob
 from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes, TransferHandle
@@ -53,8 +53,14 @@ class RouterPolicy:
     on_prefill_unavailable: Literal["local", "fail"] = knob(
         "local", help="no live prefill engine: prefill on the decode engine (degraded), or refuse with UNAVAILABLE"
     )
-    prefill_timeout_s: float = knob(300.0, help="longest wait for a prefill leg")
-    stall_timeout_s: float = knob(120.0, help="longest gap between two decode chunks before the leg counts as failed")
+    prefill_timeout_s: float = knob(
+        300.0, help="longest wait for a prefill leg, or for a decode leg's first token on a live engine"
+    )
+    stall_timeout_s: float = knob(
+        120.0,
+        help="a decode leg fails when its engine's feed (heartbeats included) is silent this long, "
+        "or its tokens stop this long once begun",
+    )
     release_timeout_s: float = knob(5.0, help="longest wait for a producer to free a request's blocks")
     cache_aware: bool = knob(
         True,
@@ -83,6 +89,11 @@ class RouterPolicy:
         for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s", "cache_query_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.stall_timeout_s < 3 * FEED_HEARTBEAT_S:
+            raise ValueError(
+                f"stall_timeout_s {self.stall_timeout_s}: at least {3 * FEED_HEARTBEAT_S:.0f} "
+                f"(a decode engine's feed speaks every {FEED_HEARTBEAT_S:.0f} s: shorter would fail live engines)"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +316,9 @@ class Orchestrator:
         if feed is None or not feed.usable or feed.actor != member.actor:
             if feed is not None:
                 feed.close()
-            feed = self._feeds[member.name] = DecodeFeed(member.name, member.actor, self.policy.stall_timeout_s)
+            policy = self.policy
+            feed = DecodeFeed(member.name, member.actor, policy.stall_timeout_s, policy.prefill_timeout_s)
+            self._feeds[member.name] = feed
         return feed
 
     async def cached_prefixes(self, pool: Pool, request: GenerateRequest, state_pulled: bool = False) -> dict[str, int]:

@@ -150,12 +150,13 @@ def test_a_request_takes_every_event_that_arrived_and_joins_their_tokens():
     assert joined == TokenChunk((1, 2, 3), "xyz", "length", ((1, -0.5), (2, -0.1), (3, -0.2)), produced_at=1.0)
 
 
-def test_a_request_that_hears_nothing_for_the_stall_timeout_fails_naming_the_actor():
+def test_a_request_on_a_silent_feed_stalls_naming_the_actor():
+    """The actor's feed says nothing (no heartbeat): its requests stall, started or not."""
     from messages.errors import DecodeFailedError
     from router.feeds import DecodeFeed
 
     async def scenario():
-        feed = DecodeFeed("decode-7", _SilentActor(), stall_timeout_s=0.05)
+        feed = DecodeFeed("decode-7", _SilentActor(), stall_timeout_s=0.05, first_event_timeout_s=60)
         quiet, busy = feed.open_leg("quiet-leg"), feed.open_leg("busy-leg")
         await asyncio.sleep(0.1)
         busy.put(LegEvent("busy-leg", TokenChunk((1,), "x")))
@@ -163,9 +164,38 @@ def test_a_request_that_hears_nothing_for_the_stall_timeout_fails_naming_the_act
         return await quiet.take(), await busy.take()
 
     (stalled,), (event,) = asyncio.run(scenario())
-    assert isinstance(stalled, DecodeFailedError)
+    assert isinstance(stalled, DecodeFailedError) and "sent nothing" in str(stalled)
     assert "decode-7" in str(stalled) and "quiet-leg" in str(stalled)
     assert event.chunk.token_ids == (1,)
+
+
+def test_a_live_feed_lets_a_request_wait_for_its_first_token_but_not_between_tokens():
+    """Heartbeats keep the feed speaking: a request that has no token yet (a long prefill on
+    the decode engine, a queue) waits up to the first-event timeout; one whose tokens stopped
+    stalls after the stall timeout; a negative control past the first-event timeout stalls."""
+    from messages.errors import DecodeFailedError
+    from router.feeds import DecodeFeed
+
+    async def scenario():
+        actor = _ActorServing(heartbeat_s=0.05)
+        feed = DecodeFeed("decode-5", actor, stall_timeout_s=0.3, first_event_timeout_s=2.5)
+        await feed.opened()
+        waiting, stopped = feed.open_leg("prefilling"), feed.open_leg("stopped")
+        stopped.put(LegEvent("stopped", TokenChunk((1,), "x")))
+        await stopped.take()
+        await asyncio.sleep(1.5)  # beyond the stall timeout: only heartbeats came
+        feed.fail_stalled()
+        early = (waiting._events[:], await asyncio.wait_for(stopped.take(), 1))
+        await asyncio.sleep(1.2)  # now past the first-event timeout too
+        feed.fail_stalled()
+        late = await asyncio.wait_for(waiting.take(), 1)
+        feed.close()
+        return early, late
+
+    (waiting_events, (stopped_error, *_)), (waiting_error, *_) = asyncio.run(scenario())
+    assert waiting_events == []
+    assert isinstance(stopped_error, DecodeFailedError) and "no token" in str(stopped_error)
+    assert isinstance(waiting_error, DecodeFailedError) and "prefilling" in str(waiting_error)
 
 
 def test_per_step_messages_survive_pickling():
@@ -180,10 +210,10 @@ class _ActorServing:
     request it starts streams `len(prompt)` tokens, one per `step`, or is refused if its
     prompt holds a 0."""
 
-    def __init__(self):
+    def __init__(self, heartbeat_s: float = 1.0):
         from decode_worker.feed import FeedServer
 
-        self.hub = FeedHub()
+        self.hub = FeedHub(heartbeat_s=heartbeat_s)
         self.step = asyncio.Event()
         self.closed: list[str] = []
         self.server = FeedServer(self.hub, "127.0.0.1", self._start_leg, self.hub.abort)
@@ -206,7 +236,7 @@ def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_bac
 
     async def scenario():
         actor = _ActorServing()
-        feed = DecodeFeed("decode-1", actor, stall_timeout_s=60)
+        feed = DecodeFeed("decode-1", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()
         inboxes = {name: feed.open_leg(name) for name in ("short", "long", "bad")}
         feed.start_leg(GenerateRequest("short", (5, 6)), None)
@@ -237,7 +267,7 @@ def test_tokens_cross_the_feed_connection_and_closing_it_aborts_the_requests():
 
     async def scenario():
         actor, step, closed = _ActorServing(), asyncio.Event(), []
-        feed = DecodeFeed("decode-0", actor, stall_timeout_s=60)
+        feed = DecodeFeed("decode-0", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()  # as the orchestrator does before starting requests
         inboxes = {name: feed.open_leg(name) for name in ("r1", "r2")}
         actor.hub.start(feed.subscriber, "r1", _tokens(step, 2, closed, "r1"))
@@ -264,7 +294,7 @@ def test_a_feed_connection_that_breaks_fails_every_request_on_it():
 
     async def scenario():
         actor = _ActorServing()
-        feed = DecodeFeed("decode-3", actor, stall_timeout_s=60)
+        feed = DecodeFeed("decode-3", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()
         inbox = feed.open_leg("r1")
         actor.hub.start(feed.subscriber, "r1", _tokens(asyncio.Event(), 5, [], "r1"))
