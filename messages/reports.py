@@ -32,6 +32,7 @@ class EngineCapacity:
     tensor_parallel_size: int
     block_size: int  # attention tokens per block, as vLLM picked it
     prefix_caching: bool
+    niceness: int = 0  # the engine process's (Ray starts workers at 15 unless told otherwise)
 
     @property
     def reuse(self) -> str:
@@ -51,4 +52,9 @@ class EngineCapacity:
             f"(shared with DeltaNet state slots), {self.blocks_per_max_length_request} per "
             f"{self.max_model_len:,}-token request: {self.max_concurrent_max_length_requests} concurrent "
             f"max-length requests; {self.reuse}"
+        ) + (
+            f"; WARNING: runs at nice {self.niceness}, so anything busy on its node (Ray's own daemons after a "
+            "node is lost, say) starves it: start every raylet with RAY_worker_niceness=0, as deploy/ does"
+            if self.niceness > 0
+            else ""
         )

@@ -27,7 +27,7 @@ from listeners import not_rays
 from reference import MAX_TOKENS, PROMPTS, assert_matches, prompt_of
 from sandbox import BridgedHosts, client_env
 
-from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE, ROUTER_RESOURCE
+from cluster.ray_cluster import DECODE_RESOURCE, PREFILL_RESOURCE, ROUTER_RESOURCE, WORKER_NICENESS_ENV
 
 RAY_PORT = 6379
 GRPC_PORT = 50051
@@ -51,6 +51,11 @@ RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 REPLY = "@@ "  # the driver's answer lines (Ray and grpc may print too)
 
 
+# As deploy/'s `ray start` commands: engines at nice 0, or a busy control plane (Ray's GCS and
+# agents after a host is lost) starves them on a small box.
+RAY_NODE_ENV = dict([WORKER_NICENESS_ENV])
+
+
 def start_cluster(hosts: BridgedHosts, workers: dict[str, str]) -> None:
     """A Ray head on host "head" (router slots only) and one worker node per `workers` entry
     (host -> the pool resource it offers, one engine slot)."""
@@ -61,7 +66,7 @@ def start_cluster(hosts: BridgedHosts, workers: dict[str, str]) -> None:
         f"ray start --head --node-ip-address={head} --port={RAY_PORT} {common} --include-dashboard=false "
         f"--resources='{json.dumps({ROUTER_RESOURCE: 2})}'",
         timeout=90,
-        env=client_env(),
+        env=client_env(**RAY_NODE_ENV),
         check=True,
     )
     joining = {
@@ -70,7 +75,7 @@ def start_cluster(hosts: BridgedHosts, workers: dict[str, str]) -> None:
             f"ray start --address={head}:{RAY_PORT} --node-ip-address={hosts[name].ip} {common} "
             f"--resources='{json.dumps({resource: 1})}'",
             f"ray-start-{name}.log",
-            env=client_env(**UCX_REPORT),
+            env=client_env(**RAY_NODE_ENV, **UCX_REPORT),
         )
         for name, resource in workers.items()
     }
@@ -265,6 +270,7 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     print("start-up links:", links)
     assert sorted(pair for pair, _ in links) == ["prefill-0 -> decode-0", "prefill-0 -> decode-1"]
     assert all(float(rate.replace(",", "")) > 0 for _, rate in links)
+    assert "runs at nice" not in serve_log.read_text()  # the raylets start workers at nice 0
     driver = Driver(hosts, target, ray_address)
 
     # The controller runs beside serve, on the head: losing an engine host cannot take it.

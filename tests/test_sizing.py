@@ -1,5 +1,6 @@
 """Known answers for engine sizing from config.json (no vLLM, no weights)."""
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -257,3 +258,14 @@ def test_sliding_window_layers_are_refused_by_name():
     }
     with pytest.raises(ValueError, match="sliding_attention"):
         ModelShape.from_config(gpt_oss_120b)
+
+
+def test_an_engine_at_a_positive_niceness_is_named_at_start_up():
+    """Ray starts workers at nice 15 unless the raylet is told otherwise: serve's start-up
+    line for such an engine says so and what to do."""
+    from messages.reports import EngineCapacity
+
+    capacity = EngineCapacity(100, 1, 10, 10, 16, 2048, 1, 256, True)
+    assert "nice" not in capacity.summary()
+    niced = dataclasses.replace(capacity, niceness=15).summary()
+    assert "nice 15" in niced and "RAY_worker_niceness=0" in niced

@@ -100,7 +100,10 @@ class EngineWorker:
     async def capacity(self) -> EngineCapacity:
         """KV blocks, DeltaNet state slots and max-length requests this engine holds."""
         layout = await self._engine.state_layout()
-        return layout.capacity(self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching)
+        capacity = layout.capacity(
+            self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching
+        )
+        return replace(capacity, niceness=os.nice(0))
 
     async def cached_prefix(
         self, prompt_token_ids: Sequence[int], state_pulled: bool = False, cache_salt: str = ""
