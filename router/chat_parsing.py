@@ -37,18 +37,19 @@ class ChatParsers:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("enable_auto_tool_choice needs a parser: pass --tool-call-parser (e.g. hermes)")
 
-    def parser_class(self, tokenizer: Any) -> type[Parser] | None:
+    def parser_class(self, tokenizer: Any, tools: bool = True) -> type[Parser] | None:
         """vLLM's parser for these flags, checked against the model's tokenizer; None when
         no parser is asked for. Unlike vLLM 0.32, which loads a tool parser only with auto
         tool choice on, --tool-call-parser alone serves required and named tool choice:
-        they are structured outputs, which any model can follow."""
+        they are structured outputs, which any model can follow. `tools` False: the
+        reasoning parser alone (the Responses API takes no tools)."""
         from vllm.parser import ParserManager
 
         try:
             return ParserManager.get_parser(
-                tool_parser_name=self.tool_call_parser,
+                tool_parser_name=self.tool_call_parser if tools else None,
                 reasoning_parser_name=self.reasoning_parser,
-                enable_auto_tools=self.tool_call_parser is not None,
+                enable_auto_tools=tools and self.tool_call_parser is not None,
                 tokenizer=tokenizer,
             )
         except (KeyError, ValueError, TypeError) as err:

@@ -12,12 +12,12 @@ the field to anything but a value that asks for nothing (its default, or a no-op
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterable
 
 from messages.errors import InvalidRequestError
 
-COMPLETIONS, CHAT = "completions", "chat"
+COMPLETIONS, CHAT, RESPONSES = "completions", "chat", "responses"
 BOTH = (COMPLETIONS, CHAT)
 
 
@@ -216,6 +216,47 @@ _BY_ENDPOINT: dict[str, dict[str, Placement]] = {
     endpoint: {p.name: p for p in TABLE if endpoint in p.endpoints} for endpoint in BOTH
 }
 
+# The Responses API (vLLM's ResponsesRequest): text in and out, through the same request path
+# as chat. These fields mean there what they mean in chat.
+_SHARED_WITH_CHAT = (
+    "model", "stream", "temperature", "top_p", "top_k", "min_p", "seed", "logit_bias", "stop", "stop_token_ids",
+    "ignore_eos", "include_stop_str_in_output", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "skip_special_tokens", "structured_outputs", "chat_template_kwargs", "include_reasoning", "user", "cache_salt",
+    "watermarking", "session_id", "priority", "media_io_kwargs", "mm_processor_kwargs", "mm_payload",
+    "return_mm_kwargs", "vllm_xargs", "kv_transfer_params", "ec_transfer_params",
+)  # fmt: skip
+_ONLY_RESPONSES = (RESPONSES,)
+RESPONSES_TABLE: tuple[Placement, ...] = tuple(
+    replace(_BY_ENDPOINT[CHAT][name], endpoints=_ONLY_RESPONSES) for name in _SHARED_WITH_CHAT
+) + tuple(
+    replace(p, endpoints=_ONLY_RESPONSES)
+    for p in (
+        _honoured("input", "text, or input items of text (rendered with instructions by the chat template)"),
+        _honoured("instructions", "the system message before the input"),
+        _honoured("max_output_tokens", "the output's length cap (unset: the context's end)"),
+        _honoured("text", "format text, json_object or json_schema: a structured output, as response_format"),
+        _honoured("top_logprobs", "0 to 20 alternatives per output token, with include message.output_text.logprobs"),
+        _honoured("include", "message.output_text.logprobs; any other item is refused by name"),
+        _honoured("metadata", "returned with the response as given"),
+        _honoured("request_id", "the response's id; engines run each leg under an id of their own"),
+        _refused("store", "pdserve keeps no responses (no retrieval, previous_response_id): send false", None, False),
+        _refused("background", "responses run in the foreground only", None, False),
+        _refused("previous_response_id", "pdserve keeps no responses: send the whole conversation as input", None),
+        _refused("previous_input_messages", "pdserve keeps no responses: send the whole conversation as input", None),
+        _refused("enable_response_messages", "not implemented", None, False),
+        _refused("prompt", "stored prompt templates are OpenAI's: send the input itself", None),
+        _refused("reasoning", "not implemented: pass enable_thinking in chat_template_kwargs", None),
+        _refused("prompt_cache_key", "pdserve routes by the prompt's own prefix-cache blocks", None),
+        _refused("service_tier", "one service tier", "auto", "default"),
+        _refused("truncation", "a prompt that does not fit is refused, never cut", None, "disabled"),
+        _refused("tools", "tool calling through /v1/responses is not implemented: use /v1/chat/completions", None, []),
+        _refused("tool_choice", "no tools through /v1/responses: only auto or none (no tools)", None, "auto", "none"),
+        _refused("parallel_tool_calls", "no tools through /v1/responses", None, True),
+        _refused("max_tool_calls", "no tools through /v1/responses", None),
+    )
+)
+_BY_ENDPOINT[RESPONSES] = {p.name: p for p in RESPONSES_TABLE}
+
 
 def placements(endpoint: str) -> dict[str, Placement]:
     return _BY_ENDPOINT[endpoint]
@@ -257,6 +298,7 @@ BEGIN, END = "<!-- request-fields: begin (python -m router.openai_fields) -->", 
 def rendered_section() -> str:
     return (
         f"{BEGIN}\n### HTTP (`/v1/completions`, `/v1/chat/completions`)\n\n{markdown(TABLE)}\n"
+        f"### HTTP (`/v1/responses`)\n\n{markdown(RESPONSES_TABLE)}\n"
         f"### gRPC (`pdserve.v1.Generation/Generate`)\n\n{markdown(GRPC_TABLE)}{END}"
     )
 

@@ -35,7 +35,8 @@ from router.admission import AdmissionController
 from router.chat_parsing import ChatParsers, ChatParsing
 from router.metrics import REQUESTS
 from router.openai_errors import HTTPError, invalid
-from router.openai_fields import CHAT, COMPLETIONS, refuse_what_is_not_honoured
+from router.openai_fields import CHAT, COMPLETIONS, RESPONSES, refuse_what_is_not_honoured
+from router.responses_api import ResponsesShape, as_chat_request
 from router.openai_responses import ChatShape, CompletionShape, Echo, Event, ResponseShape, chat_role, collect
 from router.security import TokenRole, TokenTable
 
@@ -67,6 +68,7 @@ class OpenAIFront:
         self._orchestrator = orchestrator
         self._parsers = parsers
         self._parser_class = parsers.parser_class(tokenizer)
+        self._reasoning_parser_class = parsers.parser_class(tokenizer, tools=False)
         self._tokenizer = tokenizer
         self.model_name = model_name
         self._admission = admission
@@ -145,6 +147,21 @@ class OpenAIFront:
             parsing = ChatParsing(self._parser_class, body, self._tokenizer, list(prompt))
             echo = _chat_echo(body) if body.echo else None
             shape = ChatShape(self.model_name, body, self._tokenizer, _choices(body), echo, parsing)
+            return await self._respond(request, body, prompt, shape)
+
+        @app.post("/v1/responses")
+        async def responses(request: Request) -> Any:
+            from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
+            self._authorize(request)
+            body = self._parse(ResponsesRequest, RESPONSES, request, await request.body())
+            chat = as_chat_request(body)
+            try:
+                prompt = await asyncio.to_thread(self._chat_prompt, chat)
+            except (HTTPError, InvalidRequestError) as err:  # in this body's names: its messages are its input
+                raise invalid(str(getattr(err, "message", err)).replace("messages", "input"), "input") from None
+            shape = ResponsesShape(self.model_name, body, self._tokenizer, self._reasoning_parser_class)
+            shape.set_prompt(prompt)
             return await self._respond(request, body, prompt, shape)
 
         return app
@@ -234,7 +251,9 @@ class OpenAIFront:
             raise invalid(f"messages: {err}", "messages") from None
 
     def _sampling(self, body: Any, shape: ResponseShape, prompt_tokens: int) -> SamplingConfig:
+        """The body's sampling settings; the Responses API's model lacks a few of chat's."""
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        allowed = getattr(body, "allowed_token_ids", None)
         max_tokens = shape.max_tokens(body)
         if max_tokens is None:  # chat: up to the context's end, as vLLM and OpenAI do
             max_tokens = max(1, self._orchestrator.limits.max_model_len - prompt_tokens)
@@ -255,14 +274,14 @@ class OpenAIFront:
             frequency_penalty=body.frequency_penalty or 0.0,
             repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=_logit_bias(body.logit_bias),
-            allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
-            bad_words=tuple(body.bad_words or ()),
-            min_tokens=body.min_tokens,
+            allowed_token_ids=None if allowed is None else tuple(allowed),
+            bad_words=tuple(getattr(body, "bad_words", None) or ()),
+            min_tokens=getattr(body, "min_tokens", 0),
             include_stop_str_in_output=body.include_stop_str_in_output,
             structured=_structured(body),
             prompt_logprobs=shape.prompt_logprobs_asked(body),
             skip_special_tokens=body.skip_special_tokens,
-            spaces_between_special_tokens=body.spaces_between_special_tokens,
+            spaces_between_special_tokens=getattr(body, "spaces_between_special_tokens", True),
         )
 
     # --- response --------------------------------------------------------------------------
@@ -284,10 +303,11 @@ class OpenAIFront:
             raise HTTPError(429, str(err), "rate_limit_error", headers=retry, code="rate_limit_exceeded") from None
         except DrainingError as err:
             raise HTTPError(503, str(err), "service_unavailable") from None
+        shape.sampling = request.sampling
         requests = _choice_requests(request, shape.n)
         events = self._events(requests, slot)
         if body.stream:
-            options = body.stream_options
+            options = getattr(body, "stream_options", None)
             include_usage = bool(options and options.include_usage)
             # vLLM's extension: usage so far in every chunk too
             continuous = include_usage and bool(options.continuous_usage_stats)
@@ -345,7 +365,13 @@ _OUTCOMES = {
     500: "internal",
     503: "unavailable",
 }
-_ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health")
+_ROUTES = (
+    "POST /v1/completions",
+    "POST /v1/chat/completions",
+    "POST /v1/responses",
+    "GET /v1/models",
+    "GET /health",
+)
 
 
 def _chat_echo(body: Any) -> Echo | None:

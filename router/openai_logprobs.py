@@ -1,5 +1,6 @@
 """Token logprobs in OpenAI's shapes (completions' `tokens/token_logprobs/top_logprobs/
-text_offset`, chat's `content[].top_logprobs`), formatted by vLLM's own serving code.
+text_offset`, chat's `content[].top_logprobs`, the Responses API's output_text logprobs),
+formatted by vLLM's own serving code.
 
 vLLM formats them in methods of its serving classes, which read nothing of the server but the
 `return_tokens_as_token_ids` flag and each other; `_VLLMFormat` borrows them unchanged, so the
@@ -20,6 +21,7 @@ def _vllm_format() -> type:
     from vllm.entrypoints.generate.base.serving import GenerateBaseServing
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
 
     class _VLLMFormat:
         # As declared there (a staticmethod stays one).
@@ -27,6 +29,8 @@ def _vllm_format() -> type:
         _get_top_logprobs = getattr_static(OpenAIServingChat, "_get_top_logprobs")
         completion = getattr_static(OpenAIServingCompletion, "_create_completion_logprobs")
         chat = getattr_static(OpenAIServingChat, "_create_chat_logprobs")
+        _topk_logprobs = getattr_static(OpenAIServingResponses, "_topk_logprobs")
+        responses = getattr_static(OpenAIServingResponses, "_create_response_logprobs")
 
         def __init__(self, as_token_ids: bool) -> None:
             self.return_tokens_as_token_ids = as_token_ids
@@ -94,3 +98,7 @@ class LogprobsFormatter:
 
     def chat(self, chunk: TokenChunk) -> dict[str, Any]:
         return self._format.chat(chunk.token_ids, _as_vllm(chunk), self._tokenizer, self._top).model_dump()
+
+    def responses(self, chunk: TokenChunk) -> list[Any]:
+        """The Responses API's: openai's Logprob objects, `top` alternatives each."""
+        return self._format.responses(chunk.token_ids, _as_vllm(chunk), self._tokenizer, self._top)

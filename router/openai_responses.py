@@ -15,6 +15,7 @@ import uuid
 from dataclasses import asdict, dataclass
 from typing import Any, AsyncIterator
 
+from messages.requests import SamplingConfig
 from messages.results import GenerationResult, TokenChunk
 from router.chat_parsing import ChatParsing
 from router.openai_errors import HTTPError
@@ -110,11 +111,10 @@ class ResponseShape:
         self.created = int(time.time())
         self._template: dict[str, Any] | None = None
         top = self.logprobs(body)
-        self._choices = [
-            _Choice(None if top is None else LogprobsFormatter(tokenizer, top, body.return_tokens_as_token_ids))
-            for _ in range(n)
-        ]
+        as_ids = getattr(body, "return_tokens_as_token_ids", False)  # the Responses API has no such field
+        self._choices = [_Choice(None if top is None else LogprobsFormatter(tokenizer, top, as_ids)) for _ in range(n)]
         self.n = n
+        self.sampling: SamplingConfig | None = None  # the request's, once the front made it
         self._echo = echo
         # The prompt's logprobs, from the first chunk that has them (choice 0's first).
         self.prompt_logprobs: tuple = ()

@@ -24,7 +24,7 @@ from router.openai_http import OpenAIFront
 
 MODEL = "edge-model"
 LIMITS = ModelLimits(max_model_len=512, vocab_size=2048, min_prompt_tokens=2)
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+COMPLETIONS, CHAT, RESPONSES = "/v1/completions", "/v1/chat/completions", "/v1/responses"
 MESSAGES = [{"role": "user", "content": "Why split prefill from decode?"}]
 
 
@@ -318,6 +318,14 @@ def bodies(path: str, model: str = MODEL):
         "model": st.just(model),
         "prompt": st.one_of(text, st.lists(st.integers(-3, 3000), max_size=8)),
         "messages": st.lists(message, min_size=1, max_size=3),
+        "input": st.one_of(text, st.lists(message, max_size=3)),
+        "instructions": text,
+        "max_output_tokens": small,
+        "include": st.lists(
+            st.sampled_from(["message.output_text.logprobs", "reasoning.encrypted_content"]), max_size=2
+        ),
+        "store": st.booleans(),
+        "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}}, {"format": {}}]),
         "max_tokens": small,
         "max_completion_tokens": small,
         "n": st.sampled_from([1, 1.0, 2, 3, 17]),
@@ -361,7 +369,7 @@ def bodies(path: str, model: str = MODEL):
         return st.integers(0, 7).flatmap(lambda k: hostile if k == 0 else value)
 
     fields = {name: mostly(value) for name, value in plausible.items()}
-    key = "prompt" if path == COMPLETIONS else "messages"
+    key = {COMPLETIONS: "prompt", CHAT: "messages", RESPONSES: "input"}[path]
     required = {key: fields.pop(key)}
     return st.fixed_dictionaries(required, optional=fields).map(_consistent)
 
@@ -377,7 +385,7 @@ def _consistent(body: dict) -> dict:
 
 
 def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
-    """Hypothesis-generated bodies for both endpoints: every answer is a 200 or an OpenAI
+    """Hypothesis-generated bodies for the three endpoints: every answer is a 200 or an OpenAI
     error below 500 (the fake engines are never overloaded or down, so no 503/429 either)."""
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
@@ -386,7 +394,7 @@ def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(
-        st.sampled_from([COMPLETIONS, CHAT]).flatmap(lambda path: st.tuples(st.just(path), bodies(path))),
+        st.sampled_from([COMPLETIONS, CHAT, RESPONSES]).flatmap(lambda path: st.tuples(st.just(path), bodies(path))),
         st.integers(0, 9),
     )
     def check(case, cut):
@@ -399,6 +407,8 @@ def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
         if response.status_code != 200:
             assert_openai_error(response, response.status_code)
             assert response.status_code < 500, response.text
+        elif path == RESPONSES:
+            assert response.json()["object"] == "response" if body.get("stream") is not True else response.text
         elif body.get("stream") is True:
             _events(response)
         else:

@@ -9,7 +9,7 @@ import pytest
 from test_openai_edges import CHAT, COMPLETIONS, MESSAGES, _post, assert_openai_error, front, tokenizer  # noqa: F401
 
 from router import openai_fields
-from router.openai_fields import GRPC_TABLE, TABLE, placements
+from router.openai_fields import GRPC_TABLE, RESPONSES_TABLE, TABLE, placements
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -17,11 +17,20 @@ ROOT = Path(__file__).resolve().parent.parent
 def _models():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+    from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
 
-    return {openai_fields.COMPLETIONS: CompletionRequest, openai_fields.CHAT: ChatCompletionRequest}
+    return {
+        openai_fields.COMPLETIONS: CompletionRequest,
+        openai_fields.CHAT: ChatCompletionRequest,
+        openai_fields.RESPONSES: ResponsesRequest,
+    }
 
 
-@pytest.mark.parametrize("endpoint", [openai_fields.COMPLETIONS, openai_fields.CHAT])
+ENDPOINTS = (openai_fields.COMPLETIONS, openai_fields.CHAT, openai_fields.RESPONSES)
+PATHS = {openai_fields.COMPLETIONS: COMPLETIONS, openai_fields.CHAT: CHAT, openai_fields.RESPONSES: "/v1/responses"}
+
+
+@pytest.mark.parametrize("endpoint", ENDPOINTS)
 def test_every_field_of_vllms_request_model_is_placed(endpoint):
     fields = set(_models()[endpoint].model_fields)
     placed = set(placements(endpoint))
@@ -39,15 +48,15 @@ def test_every_field_of_the_grpc_request_is_placed():
 
 
 def test_rows_are_unique_and_say_why():
-    keys = [(p.name, e) for p in TABLE for e in p.endpoints]
+    keys = [(p.name, e) for p in TABLE + RESPONSES_TABLE for e in p.endpoints]
     assert len(keys) == len(set(keys))
-    assert all(len(p.why) > 10 for p in TABLE + GRPC_TABLE)
+    assert all(len(p.why) > 10 for p in TABLE + RESPONSES_TABLE + GRPC_TABLE)
 
 
 def test_docs_render_the_table():
     doc = (ROOT / "docs" / "api.md").read_text()
     assert openai_fields.rendered_section() in doc, "docs/api.md is stale: run `python -m router.openai_fields`"
-    for p in TABLE + GRPC_TABLE:
+    for p in TABLE + RESPONSES_TABLE + GRPC_TABLE:
         assert f"| `{p.name}` |" in doc
 
 
@@ -95,6 +104,23 @@ ASKS_FOR_SOMETHING = {
     "ec_transfer_params": {"x": 1},
     "vllm_xargs": {"x": 1},
 }
+# The Responses API's own refused fields (and its tools' shape).
+RESPONSES_ASKS = {
+    "store": True,
+    "background": True,
+    "previous_response_id": "resp_earlier",
+    "previous_input_messages": [{"role": "user", "content": "hi"}],
+    "enable_response_messages": True,
+    "prompt": {"id": "pmpt_1"},
+    "reasoning": {"effort": "low"},
+    "prompt_cache_key": "tenant-a",
+    "service_tier": "flex",
+    "truncation": "auto",
+    "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+    "tool_choice": "required",
+    "parallel_tool_calls": False,
+    "max_tool_calls": 2,
+}
 # What other fields a refused one needs to be a valid request at all.
 _COMPANIONS = {"logprob_token_ids": {"logprobs": 2}, "truncation_side": {"truncate_prompt_tokens": 3}}
 # Fields vLLM's model sets from a refused one (so either may be named).
@@ -102,6 +128,8 @@ _IMPLIED = {"return_mm_kwargs": {"mm_payload"}, "tools": {"tool_choice"}}
 
 
 def _base(endpoint: str) -> dict:
+    if endpoint == openai_fields.RESPONSES:
+        return {"input": "Prefill makes the state", "max_output_tokens": 2}
     return (
         {"prompt": "Prefill makes the state", "max_tokens": 2}
         if endpoint == openai_fields.COMPLETIONS
@@ -110,7 +138,7 @@ def _base(endpoint: str) -> dict:
 
 
 def _refused_cases():
-    for endpoint in (openai_fields.COMPLETIONS, openai_fields.CHAT):
+    for endpoint in ENDPOINTS:
         for p in placements(endpoint).values():
             if not p.honoured:
                 yield endpoint, p.name
@@ -118,16 +146,16 @@ def _refused_cases():
 
 @pytest.mark.parametrize("endpoint, name", list(_refused_cases()))
 def test_a_refused_field_asking_for_something_is_400_naming_it(front, endpoint, name):  # noqa: F811
-    assert name in ASKS_FOR_SOMETHING, f"give refused field {name!r} a value that asks for something"
-    value = ASKS_FOR_SOMETHING[name]
+    asks = {**ASKS_FOR_SOMETHING, **RESPONSES_ASKS} if endpoint == openai_fields.RESPONSES else ASKS_FOR_SOMETHING
+    assert name in asks, f"give refused field {name!r} a value that asks for something"
+    value = asks[name]
     companions = _COMPANIONS.get(name, {})
     if endpoint == openai_fields.CHAT and name == "logprob_token_ids":
         companions = {"logprobs": True}
     body = {**_base(endpoint), **companions, name: value}
     if name == "prompt_embeds":
         body = {"prompt_embeds": "eA==", "max_tokens": 2}
-    path = COMPLETIONS if endpoint == openai_fields.COMPLETIONS else CHAT
-    response = _post(front, path, body)
+    response = _post(front, PATHS[endpoint], body)
     error = assert_openai_error(response, 400)
     assert error["param"] in {name, *companions, *_IMPLIED.get(name, ())}, error  # a companion may be refused first
 
