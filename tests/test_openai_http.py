@@ -399,3 +399,22 @@ def test_named_and_required_tool_calls_through_pd(served, model_path):
         )
     assert answer.model_extra["pdserve_timings"]["prefill_worker"] == "prefill-0"
     assert_no_blocks_held(served.dep, timeout_s=10)
+
+
+def test_the_responses_api_through_pd_with_the_official_client(client):
+    """Text in, text out, whole and streamed: the greedy answer chat completions gives for the
+    same message, with the same usage, from vLLM's event sequence."""
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": PROMPT}], max_tokens=16, temperature=0
+    )
+    whole = client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=16, temperature=0)
+    assert whole.output_text == chat.choices[0].message.content and whole.output_text
+    assert (whole.usage.input_tokens, whole.usage.output_tokens) == (
+        chat.usage.prompt_tokens,
+        chat.usage.completion_tokens,
+    )
+    assert whole.model_extra["pdserve_timings"]["prefill_worker"] == "prefill-0"
+    events = list(client.responses.create(model=MODEL, input=PROMPT, max_output_tokens=16, temperature=0, stream=True))
+    assert [e.type for e in events[:2]] == ["response.created", "response.in_progress"]
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == whole.output_text
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
