@@ -67,13 +67,13 @@ def engine_config(model_path) -> Any:
 @pytest.fixture(scope="session")
 def reference(ray_cluster, engine_config) -> dict[str, Any]:
     """Colocated outputs: same engine configuration, no connector, prefill and decode local."""
-    from reference import PROMPTS, make_request, reference_run
+    from reference import PROMPTS, reference_runs
 
     from decode_worker.actor import DecodeActor
 
     actor = DecodeActor.remote("colocated", engine_config.with_cores("1"), None)
     try:
-        return {name: run(reference_run(actor, make_request(name, f"ref-{name}", logprobs=2))) for name in PROMPTS}
+        return run(reference_runs(actor, list(PROMPTS), "ref"))
     finally:
         ray_cluster.kill(actor, no_restart=True)
 

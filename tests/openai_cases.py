@@ -190,12 +190,15 @@ def reference_outputs(ray, engine_config, model_path: str) -> Colocated:
     actor = DecodeActor.remote("colocated-fields", engine_config.with_cores("1"), None)
 
     async def run_cases(names: list[str]) -> dict[str, Output]:
-        outputs = {}
-        for name in names:
+        """At once, in one batch (greedy cases are compared up to their first near-tie, where
+        batch shape cannot change a choice; seeded sampling is per request in vLLM)."""
+
+        async def one(name: str) -> Output:
             case = CASES[name]
             sampling = SamplingConfig(**{"max_tokens": case.max_tokens, **case.sampling, "logprobs": 20})
-            outputs[name] = await _run(actor, GenerateRequest(f"ref-{name}", prompts[case.prompt], sampling))
-        return outputs
+            return await _run(actor, GenerateRequest(f"ref-{name}", prompts[case.prompt], sampling))
+
+        return dict(zip(names, await asyncio.gather(*map(one, names))))
 
     async def all_cases() -> dict[str, Output]:
         any_cases = [name for name, case in CASES.items() if case.prompt == "any"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
 from collections.abc import Iterator, Mapping
@@ -139,3 +140,10 @@ async def reference_run(actor, request) -> Reference:
         tokens.extend(chunk.token_ids)
         margins.extend(top[0][1] - top[1][1] for top in chunk.logprobs)
     return Reference(tokens, margins)
+
+
+async def reference_runs(actor, names: list[str], prefix: str) -> dict[str, Reference]:
+    """The named prompts' references, run at once (one batch): a comparison stops at the
+    first near-tie, where batch shape cannot change a choice."""
+    runs = [reference_run(actor, make_request(name, f"{prefix}-{name}", logprobs=2)) for name in names]
+    return dict(zip(names, await asyncio.gather(*runs)))

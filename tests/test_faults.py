@@ -32,7 +32,9 @@ def _up(engine_config, **kwargs) -> tuple[Deployment, object]:
 
 @pytest.fixture(scope="module")
 def fail_policy(ray_cluster, engine_config, reference):
-    dep, orchestrator = _up(engine_config, transfer=TransferConfig(lease_s=10, load_failure_policy="fail"))
+    # TCP only, as between hosts: a READ then needs the producer's process to make progress.
+    transfer = TransferConfig(lease_s=10, load_failure_policy="fail", ucx_transports="tcp", transfer_timeout_s=5)
+    dep, orchestrator = _up(engine_config, transfer=transfer)
     yield dep, orchestrator
     dep.shutdown()
 
@@ -59,6 +61,24 @@ def test_restarted_prefill_actor_serves_again(fail_policy, reference):
     tokens, result = run(collect(orchestrator.generate(make_request("over_one_block", "after-restart"))))
     assert_matches(tokens, reference["over_one_block"])
     assert_no_blocks_held(dep, timeout_s=15)
+
+
+def test_transfer_from_a_stalled_peer_times_out(fail_policy, reference):
+    dep, orchestrator = fail_policy
+    tokens, _ = run(collect(orchestrator.generate(make_request("short", "tcp-warm"))))  # handshake done
+    assert_matches(tokens, reference["short"])
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    result = ray.get(prefill.prefill.remote(make_request("long", "stalled")))
+    pid = _pid(prefill)
+    os.kill(pid, signal.SIGSTOP)  # alive but not making progress
+    try:
+        started = time.monotonic()
+        with pytest.raises(TransferFailedError, match="within 5s"):
+            run(decode_after(decode, result, make_request("long", "stalled")))
+        assert time.monotonic() - started < 15
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert_no_blocks_held(dep, timeout_s=20)  # decode aborted it; the producer's lease ran out
 
 
 def _answers(actor) -> bool:
@@ -115,33 +135,3 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
     assert_matches(tokens, reference["long"])  # one uninterrupted, correct stream
     assert wait_until(lambda: _answers(killed.actor), timeout_s=60)  # Ray restarted it
     assert_no_blocks_held(dep, timeout_s=15)
-
-
-@pytest.fixture(scope="module")
-def tcp_transport(ray_cluster, engine_config, reference, recompute_policy):
-    recompute_policy[0].shutdown()
-    # TCP only, as between hosts: a READ then needs the producer's process to make progress.
-    dep, orchestrator = _up(
-        engine_config,
-        transfer=TransferConfig(lease_s=10, ucx_transports="tcp", transfer_timeout_s=5),
-    )
-    yield dep, orchestrator
-    dep.shutdown()
-
-
-def test_transfer_from_a_stalled_peer_times_out(tcp_transport, reference):
-    dep, orchestrator = tcp_transport
-    tokens, _ = run(collect(orchestrator.generate(make_request("short", "tcp-warm"))))  # handshake done
-    assert_matches(tokens, reference["short"])
-    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
-    result = ray.get(prefill.prefill.remote(make_request("long", "stalled")))
-    pid = _pid(prefill)
-    os.kill(pid, signal.SIGSTOP)  # alive but not making progress
-    try:
-        started = time.monotonic()
-        with pytest.raises(TransferFailedError, match="within 5s"):
-            run(decode_after(decode, result, make_request("long", "stalled")))
-        assert time.monotonic() - started < 15
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    assert_no_blocks_held(dep, timeout_s=20)  # decode aborted it; the producer's lease ran out

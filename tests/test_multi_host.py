@@ -37,10 +37,10 @@ DECODE_HOSTS = ("decode-a", "decode-b")
 UCX_REPORT = {"UCX_PROTO_INFO": "y"}
 SHARED_MEMORY_TRANSPORTS = ("cma", "posix", "sysv", "xpmem", "knem", "self")
 
-# The load each fault meets: arbitrary prompts (no prefix hits) of three attention blocks
-# and the DeltaNet state to move, all in flight at once.
+# The load each fault meets: arbitrary prompts (no prefix hits) of two or more attention
+# blocks and the DeltaNet state to move, all in flight at once.
 LOAD_REQUESTS = 6
-LOAD_PROMPT_TOKENS = 600
+LOAD_PROMPT_TOKENS = 300
 LOAD_MAX_TOKENS = 32
 # Serve's own bounds for a stalled pull or stream; a request not done by the client's
 # deadline counts as hung.
@@ -253,6 +253,7 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     hosts = BridgedHosts(sandbox, ["head", "prefill", *DECODE_HOSTS])
     shutil.copytree(model_path, sandbox.home / "model")
     (sandbox.home / "prompt.json").write_text(json.dumps(list(PROMPTS["long"])))
+    (sandbox.home / "probe.json").write_text(json.dumps(list(PROMPTS["short"])))  # recovered yet?
     start_cluster(hosts, {"prefill": PREFILL_RESOURCE, **dict.fromkeys(DECODE_HOSTS, DECODE_RESOURCE)})
     head = hosts["head"].ip
     target, ray_address = f"{head}:{GRPC_PORT}", f"{head}:{RAY_PORT}"
@@ -311,7 +312,7 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
         if after:
             after()
         healed = time.monotonic()
-        while (probe := driver.ask(do="generate", prompt_file="/root/prompt.json", max_tokens=4))["status"] != "OK":
+        while (probe := driver.ask(do="generate", prompt_file="/root/probe.json", max_tokens=4))["status"] != "OK":
             assert time.monotonic() - healed < 60, f"{fault}: no request succeeded 60 s after: {probe}"
         recovered = time.monotonic()
         assert wait_until(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import math
 
 import httpx
 import pytest
@@ -27,7 +28,6 @@ from messages.requests import GenerateRequest, SamplingConfig
 TURNS = 4
 QUESTION = 60  # tokens a conversation's user adds per turn
 SCAN_TOKENS = 2150  # of the lesson, read to find where its continuations are decisive
-SCAN_RUN = 160  # tokens per greedy run of that scan
 
 
 @functools.cache
@@ -54,6 +54,18 @@ class Case:
         return GenerateRequest(request_id, prompt, sampling, cache_salt)
 
 
+async def _chunks(actor, request) -> list:
+    return [await ref async for ref in actor.generate.remote(request)]
+
+
+def _clear(token: int, position) -> bool:
+    """`token` is the engine's first choice at this prompt position, by NEAR_TIE_NATS or more
+    (entries: (token id, logprob, rank, text), the prompt's own token first)."""
+    by_rank = {rank: logprob for _, logprob, rank, _ in position}
+    own_rank = position[0][2]
+    return position[0][0] == token and own_rank == 1 and by_rank[1] - by_rank.get(2, -math.inf) >= NEAR_TIE_NATS
+
+
 @pytest.fixture(scope="module")
 def colocated(ray_cluster, engine_config):
     """A colocated engine with prefix caching off: the reference."""
@@ -74,14 +86,15 @@ def block(colocated) -> int:
 def cases(colocated, block) -> dict[str, Case]:
     """Each group at the first offset where every case's continuation is decisive for
     MIN_COMPARED tokens. The model is trained on each machine and reproduces 99% of its
-    corpus, so where the lesson's continuations are clear is read here: greedy runs along
-    it, each restarted past the token where the model's choice left the lesson."""
-    lesson = _lesson()
-    clear: list[bool] = [False] * 32
-    while len(clear) < SCAN_TOKENS:
-        scan = run(reference_run(colocated, Case(0, len(clear)).request("scan", logprobs=2, max_tokens=SCAN_RUN)))
-        follows = next((i for i, (a, b) in enumerate(zip(scan.tokens, lesson[len(clear) :])) if a != b), SCAN_RUN)
-        clear += [m >= NEAR_TIE_NATS for m in scan.margins[:follows]] + [False]  # the departure
+    corpus, so where the lesson's continuations are clear is read here, teacher-forced in
+    one prefill: each lesson token is clear where it is the model's first choice given the
+    lesson before it, by at least NEAR_TIE_NATS (what a greedy run along the lesson finds)."""
+    lesson = _lesson()[:SCAN_TOKENS]
+    scan = GenerateRequest("scan", lesson, SamplingConfig(max_tokens=1, prompt_logprobs=2))
+    chunks = run(_chunks(colocated, scan))
+    positions = chunks[0].prompt_logprobs
+    assert len(positions) == len(lesson), (len(positions), len(lesson))
+    clear = [False] + [_clear(token, p) for token, p in zip(lesson[1:], positions[1:])]
 
     def decisive(start: int) -> bool:  # start: lesson index of the first continuation token
         return all(clear[start : start + MIN_COMPARED]) and start + MIN_COMPARED <= len(clear)

@@ -1,4 +1,4 @@
-"""Soak: 200 requests with random client cancellations and one actor killed mid-run.
+"""Soak: 100 requests with random client cancellations and one actor killed mid-run.
 Bounded in count and time, loopback only. Afterwards no engine holds a block and every
 stream ended with its tokens or a clean error."""
 
@@ -19,7 +19,7 @@ from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from controller.deployment import Deployment, DeploymentConfig
 
-NUM_REQUESTS = 200
+NUM_REQUESTS = 100
 CONCURRENCY = 12
 CLEAN_ERRORS = (DecodeFailedError, NoWorkerError, TransferFailedError)
 
@@ -42,7 +42,7 @@ def test_soak_with_cancellations_and_a_kill(soak_deployment):
     slots = asyncio.Semaphore(CONCURRENCY)
 
     async def one(i: int) -> None:
-        length = rng.randint(20, 600)
+        length = rng.randint(20, 400)
         max_tokens = rng.randint(4, 16)
         request = GenerateRequest(
             f"soak-{i}",

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
-from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_after, make_request, reference_run
+from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_after, make_request, reference_runs
 
 from router.client import build_request
 from controller.deployment import Deployment, DeploymentConfig
@@ -45,8 +45,7 @@ def reference_tp2(ray_cluster, engine_config):
 
     actor = DecodeActor.remote("colocated-tp2", engine_config.sized(TP2).with_cores("0|1"), None)
     try:
-        names = ["short", "over_one_block", "long", "x", "y_tp2"]
-        return {n: run(reference_run(actor, make_request(n, f"ref2-{n}", logprobs=2))) for n in names}
+        return run(reference_runs(actor, ["short", "over_one_block", "long", "x", "y_tp2"], "ref2"))
     finally:
         ray.kill(actor, no_restart=True)
 
