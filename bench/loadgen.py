@@ -1,4 +1,5 @@
-"""Open-loop load generator for the pdserve gRPC API (`pdserve.v1.Generation`).
+"""Open-loop load generator for the pdserve gRPC API (`pdserve.v1.Generation`), and (`sweep_http`)
+for its OpenAI front.
 
 Requests arrive on their own schedule whatever the server's state (open loop): Poisson
 arrivals at `--rate` req/s (several rates: a sweep), or the arrival times of a JSONL trace,
@@ -46,6 +47,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import grpc
+import httpx
 from tqdm import tqdm
 
 from messages.timings import SLO, ItlStat, LatencySummary, percentile
@@ -255,8 +257,57 @@ async def _send(
     )
 
 
+# The gRPC status an OpenAI-front refusal stands for, so both fronts' records read alike.
+HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 400: "INVALID_ARGUMENT"}
+
+
+@dataclass(frozen=True)
+class HTTPTarget:
+    """The OpenAI front: requests go to `base_url`/v1/completions, streamed, as `model`."""
+
+    client: httpx.AsyncClient
+    base_url: str
+    model: str
+
+
+async def _send_http(
+    target: HTTPTarget, spec: RequestSpec, prompt: list[int], run_id: str, started: float, deadline: float
+) -> RequestRecord:
+    """As `_send`, through the OpenAI front; logprobs 0 makes each event say how many tokens
+    it carries (its text may hold fewer characters than tokens)."""
+    body = {"model": target.model, "prompt": prompt, "max_tokens": spec.output_tokens, "ignore_eos": True,
+            "stream": True, "logprobs": 0, "request_id": f"{run_id}-{spec.index}"}  # fmt: skip
+    sent = time.perf_counter()
+    times: list[float] = []
+    finish, error, cached = "", "", 0
+    try:
+        timeout = httpx.Timeout(max(deadline - sent, 1e-3))
+        async with target.client.stream("POST", f"{target.base_url}/v1/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                error = HTTP_STATUS_NAMES.get(r.status_code, f"HTTP {r.status_code}")
+            else:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    event = json.loads(line[6:])
+                    for choice in event["choices"]:
+                        tokens = len((choice.get("logprobs") or {}).get("tokens", ()))
+                        times.extend([time.perf_counter() - sent] * tokens)
+                        finish = choice["finish_reason"] or finish
+                    cached = (event.get("pdserve_timings") or {}).get("cached_tokens", cached)
+    except httpx.TimeoutException:
+        error = "DEADLINE_EXCEEDED"
+    except httpx.TransportError as err:
+        error = type(err).__name__
+    end = time.perf_counter() - sent
+    return RequestRecord(
+        spec.index, spec.prompt_tokens, spec.output_tokens, spec.arrival_s, sent - started, tuple(times), end,
+        finish, error, cached,
+    )  # fmt: skip
+
+
 async def run_workload(
-    channel: grpc.aio.Channel | Sequence[grpc.aio.Channel],
+    channel: grpc.aio.Channel | Sequence[grpc.aio.Channel] | HTTPTarget,
     specs: Sequence[RequestSpec],
     config: LoadConfig,
     label: str,
@@ -265,9 +316,9 @@ async def run_workload(
     prompts: Sequence[list[int]] | None = None,
 ) -> RunReport:
     """`channel`: one connection, or several that requests take in turn (routers sharing a
-    port with SO_REUSEPORT are balanced per connection, so one connection reaches one).
-    `prompts`: one per spec (None: random ids, `prompt_ids`)."""
-    channels = [channel] if isinstance(channel, grpc.aio.Channel) else list(channel)
+    port with SO_REUSEPORT are balanced per connection, so one connection reaches one), or
+    the OpenAI front. `prompts`: one per spec (None: random ids, `prompt_ids`)."""
+    channels = [channel] if isinstance(channel, (grpc.aio.Channel, HTTPTarget)) else list(channel)
     specs = specs[: config.num_requests]
     if prompts is None:  # built before the clock starts
         prompts = [prompt_ids(s, config.seed) for s in specs]
@@ -281,7 +332,11 @@ async def run_workload(
                 break
             await asyncio.sleep(started + spec.arrival_s - time.perf_counter())
             connection = channels[i % len(channels)]
-            task = asyncio.create_task(_send(connection, spec, prompt, run_id, started, deadline, metadata))
+            if isinstance(connection, HTTPTarget):
+                sending = _send_http(connection, spec, prompt, run_id, started, deadline)
+            else:
+                sending = _send(connection, spec, prompt, run_id, started, deadline, metadata)
+            task = asyncio.create_task(sending)
             task.add_done_callback(lambda _: bar.update())
             tasks.append(task)
         records = list(await asyncio.gather(*tasks))
@@ -301,7 +356,9 @@ async def check_fits(
         )
 
 
-async def warm_up(channel: grpc.aio.Channel, config: LoadConfig, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+async def warm_up(
+    channel: grpc.aio.Channel | HTTPTarget, config: LoadConfig, metadata: tuple[tuple[str, str], ...] = ()
+) -> None:
     """Serial unmeasured requests of the profile's shape; a server that fails them stops the run."""
     quiet = replace(config, seed=-1 - config.seed, progress=False)  # a seed no measured run uses
     for spec in synthetic_workload(1.0, config.warmup, config.profile, quiet.seed):
@@ -327,6 +384,22 @@ async def sweep(
         for rate in rates:
             specs = synthetic_workload(rate, config.num_requests, config.profile, config.seed)
             reports.append(await run_workload(channel, specs, config, f"{label}{rate:g} req/s", rate, metadata))
+            print(format_row(reports[-1]), file=sys.stderr, flush=True)
+        return reports
+
+
+async def sweep_http(base_url: str, rates: Sequence[float], config: LoadConfig, label: str = "") -> list[RunReport]:
+    """`sweep` through the OpenAI front at `base_url` (http://HOST:PORT, loopback only)."""
+    require_loopback(base_url.removeprefix("http://"))
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as client:
+        models = (await client.get(f"{base_url}/v1/models", timeout=30)).json()["data"]
+        target = HTTPTarget(client, base_url, models[0]["id"])
+        await warm_up(target, config)
+        reports = []
+        for rate in rates:
+            specs = synthetic_workload(rate, config.num_requests, config.profile, config.seed)
+            reports.append(await run_workload(target, specs, config, f"{label}{rate:g} req/s", rate))
             print(format_row(reports[-1]), file=sys.stderr, flush=True)
         return reports
 

@@ -1,14 +1,16 @@
 """Overload: does goodput hold when twice as many requests arrive as the pools can serve?
 
-One 1 prefill + 1 decode deployment behind the real gRPC front door (admission derived from
-the decode pool, as `pdserve serve` runs it). The same Poisson workload (bench.loadgen) at
-a rate near saturation, then at twice that rate. Reports, side by side in one run:
+One 1 prefill + 1 decode deployment behind the real gRPC front door, or its OpenAI front
+(`--front http`), with admission derived from the decode pool, as `pdserve serve` runs it.
+The same Poisson workload (bench.loadgen) at a rate near saturation, then at twice that rate.
+Reports, side by side in one run:
 - completed requests per second at each rate, and the ratio overload / saturation
   (target >= 0.9: admitted requests do not die of the excess);
-- how fast the excess is turned away: RESOURCE_EXHAUSTED latency p50/p99 (target p99 < 50 ms);
+- how fast the excess is turned away: RESOURCE_EXHAUSTED (HTTP 429) latency p50/p99 (target
+  p99 < 50 ms);
 - how many requests failed any other way (target 0).
 
-    python -m bench.overload [--rate 4] [--num-requests 150] [--time-limit 40]
+    python -m bench.overload [--rate 4] [--num-requests 150] [--time-limit 40] [--front http]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from bench.loadgen import RunReport, add_load_args, load_config, percentile, sweep, write_json
+from bench.loadgen import RunReport, add_load_args, load_config, percentile, sweep, sweep_http, write_json
 from controller.deployment import DeploymentConfig
 from controller.local_stack import LocalStack
 from cluster.ray_cluster import start_local
@@ -55,10 +57,16 @@ def result_of(report: RunReport) -> RateResult:
 
 
 async def run(model: str, rate: float, args: argparse.Namespace) -> list[RateResult]:
-    async with LocalStack(DeploymentConfig(engine=EngineConfig(model=model)), text_prompts=False) as stack:
+    http = "127.0.0.1:0" if args.front == "http" else None
+    config = DeploymentConfig(engine=EngineConfig(model=model))
+    async with LocalStack(config, http=http, served_model_name="bench", text_prompts=False) as stack:
         limits = admission_limits(stack.orchestrator, stack.server.front)
         print(f"admission: {limits.max_in_flight} in flight, {limits.max_queue} waiting", file=sys.stderr)
-        reports = await sweep(stack.address, [rate, 2 * rate], load_config(args))
+        rates = [rate, 2 * rate]
+        if http:
+            reports = await sweep_http(f"http://{stack.http.address}", rates, load_config(args))
+        else:
+            reports = await sweep(stack.address, rates, load_config(args))
     return [result_of(r) for r in reports]
 
 
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
     parser.add_argument("--rate", type=float, default=4.0, help="near saturation, req/s (README: ~4-5 here)")
+    parser.add_argument("--front", choices=["grpc", "http"], default="grpc", help="gRPC, or the OpenAI front (429s)")
     add_load_args(parser, num_requests=150, time_limit_s=40.0, out=Path("bench/results/overload.json"))
     args = parser.parse_args(argv)
     start_local()

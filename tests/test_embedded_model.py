@@ -85,3 +85,23 @@ def test_greedy_decoding_reproduces_the_corpus_with_clear_margins(ray_cluster, e
     print(f"margin >= {NEAR_TIE_NATS} nat at {share:.1%} of {positions} positions; matched lengths {matched}")
     assert share >= 0.95
     assert sum(n >= 32 for n in matched) >= 8, matched
+
+
+def test_the_tool_call_transcript_starts_with_what_the_chat_template_renders(model_path):
+    """The transcript the model learns a tool call from begins, token for token, with the
+    prompt a chat request offering that tool renders to; the call follows."""
+    from transformers import AutoTokenizer
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from router.chat_prompt import prompt_ids
+    from vllm_engine.embedded_model.texts import CORPUS_DIR
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    body = ChatCompletionRequest(messages=question, tools=[weather])
+    prompt = list(prompt_ids(tokenizer, body))
+    transcript = tokenizer.encode((CORPUS_DIR / "transcript-tool-call.txt").read_text())
+    assert transcript[: len(prompt)] == prompt
+    assert tokenizer.decode(transcript[len(prompt) :]).startswith(" <tool_call>\n{")
+    assert transcript == token_stream(model_path)[-len(transcript) - 1 : -1]  # the last document

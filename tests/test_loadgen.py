@@ -26,6 +26,7 @@ from bench.loadgen import (
     replay,
     require_loopback,
     summarize,
+    sweep_http,
     synthetic_workload,
 )
 from messages.timings import SLO, percentile
@@ -210,15 +211,15 @@ def server(ray_cluster, engine_config, model_path):
 
     from controller.deployment import Deployment, DeploymentConfig
 
-    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
+    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path, http_model="loadgen")
     try:
-        yield served.server, served.loop
+        yield served.server, served.loop, served.http
     finally:
         served.close()
 
 
 def test_command_line_run_completes_every_request_with_its_length(server, tmp_path):
-    srv, _ = server
+    srv, _, _ = server
     out = tmp_path / "run.json"
     command = [sys.executable, "-m", "bench.loadgen", "--target", srv.address, "--rate", "2"]
     command += ["--num-requests", "5", "--time-limit", "120", "--warmup", "1", "--no-progress", "--out", str(out)]
@@ -244,7 +245,7 @@ def test_command_line_run_completes_every_request_with_its_length(server, tmp_pa
 
 
 def test_trace_replay_keeps_the_trace_schedule(server):
-    srv, loop = server
+    srv, loop, _ = server
     specs = parse_trace(
         [
             '{"arrival_s": 0.0, "prompt_tokens": 300, "output_tokens": 5}',
@@ -256,6 +257,18 @@ def test_trace_replay_keeps_the_trace_schedule(server):
     assert [len(r.token_times_s) for r in report.requests] == [5, 12]
     assert all(r.completed for r in report.requests)
     assert report.requests[1].sent_s >= 0.5
+
+
+def test_the_openai_front_takes_the_same_load(server):
+    """`sweep_http`: Poisson requests through /v1/completions, each event's tokens counted
+    (logprobs 0), so its records read as the gRPC ones do."""
+    _, loop, http = server
+    config = LoadConfig(num_requests=3, time_limit_s=60, warmup=1, progress=False)
+    sweep = sweep_http(f"http://{http.address}", [4.0], config)
+    (report,) = asyncio.run_coroutine_threadsafe(sweep, loop).result(timeout=120)
+    assert [(r.error, r.finish_reason) for r in report.requests] == [("", "length")] * 3
+    assert all(r.completed and r.token_times_s[0] > 0 for r in report.requests)
+    assert report.summary.completed == 3
 
 
 def _has_matplotlib() -> bool:

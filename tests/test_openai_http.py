@@ -401,6 +401,34 @@ def test_named_and_required_tool_calls_through_pd(served, model_path):
     assert_no_blocks_held(served.dep, timeout_s=10)
 
 
+def test_auto_tool_choice_the_model_calls_a_tool_through_pd(client):
+    """tool_choice auto, whole and streamed: the embedded model learned to answer this question
+    with a call (corpus/transcript-tool-call.txt); prefill samples its first token, decode the
+    rest, and vLLM's hermes parser makes the text tool_calls. With tool_choice none the same
+    text stays content."""
+    city = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": city}}
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    args = dict(model=MODEL, messages=question, tools=[weather], max_tokens=96, temperature=0)  # the call: 58 tokens
+    choice = client.chat.completions.create(**args, tool_choice="auto").choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(**args, tool_choice="auto", stream=True):
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += (delta.function and delta.function.name) or ""
+            entry["arguments"] += (delta.function and delta.function.arguments) or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0], (calls, finish)
+    assert calls[0]["name"] == "get_weather" and json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+
+    declined = client.chat.completions.create(**args, tool_choice="none").choices[0]
+    assert not declined.message.tool_calls and "<tool_call>" in declined.message.content, declined
+
+
 def test_the_responses_api_through_pd_with_the_official_client(client):
     """Text in, text out, whole and streamed: the greedy answer chat completions gives for the
     same message, with the same usage, from vLLM's event sequence."""

@@ -74,24 +74,14 @@ def _router(controller, model_path, name):
     return actor, ray.get(actor.serve.remote()).grpc
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def routers(ray_cluster, controller, model_path):
-    """Two routers the module's tests share (a router costs seconds of start-up); a test that
-    kills one puts the router that replaced it in its place."""
-    made = {name: _router(controller, model_path, name) for name in ("router-a", "router-b")}
+    names = ("router-a", "router-b")
+    made = [_router(controller, model_path, name) for name in names]
     yield made
-    _leave(ray_cluster, controller, made)
-
-
-def _leave(ray_cluster, controller, routers) -> None:
-    for name, (actor, _) in routers.items():
+    for (actor, _), name in zip(made, names):
         ray_cluster.kill(actor, no_restart=True)
         ray_cluster.get(controller.router_left.remote(name))  # its admission share is free at once
-    routers.clear()
-
-
-def _pair(routers) -> list:
-    return list(routers.values())
 
 
 def _engines_idle(ray, controller) -> bool:
@@ -141,8 +131,7 @@ def test_streams_through_both_routers_equal_the_reference(routers, reference):
                 )
                 return await stream_tokens(channel, request)
 
-        pair = _pair(routers)
-        return await asyncio.gather(*(one(pair[i % 2][1], name, i) for i, name in enumerate(names)))
+        return await asyncio.gather(*(one(routers[i % 2][1], name, i) for i, name in enumerate(names)))
 
     for name, (tokens, _, final) in zip(names, run(both())):
         decisive = reference[name].decisive
@@ -152,7 +141,7 @@ def test_streams_through_both_routers_equal_the_reference(routers, reference):
 def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(
     ray_cluster, controller, routers, reference, model_path
 ):
-    (victim, victim_address), (survivor, survivor_address) = _pair(routers)
+    (victim, victim_address), (survivor, survivor_address) = routers
     before = ray_cluster.get(controller.view.remote())
     survivor_tokens = 150
 
@@ -182,18 +171,19 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(
     ]  # same engines, none restarted: no router owns them
     assert all(m.lifecycle is Lifecycle.LIVE for m in after.prefill + after.decode)
 
-    ray_cluster.get(controller.router_left.remote("router-a"))
-    newcomer, address = routers["router-c"] = _router(controller, model_path, "router-c")  # a new router joins
-    del routers["router-a"]
+    newcomer, address = _router(controller, model_path, "router-c")  # a new router joins
+    try:
 
-    async def through_newcomer():
-        async with grpc.aio.insecure_channel(address) as channel:
-            request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
-            return await stream_tokens(channel, request)
+        async def through_newcomer():
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
+                return await stream_tokens(channel, request)
 
-    tokens, _, final = run(through_newcomer())
-    assert tokens == reference["short"].tokens[:8] or len(tokens) == 8
-    assert final.finish_reason == "length"
+        tokens, _, final = run(through_newcomer())
+        assert tokens == reference["short"].tokens[:8] or len(tokens) == 8
+        assert final.finish_reason == "length"
+    finally:
+        ray_cluster.kill(newcomer, no_restart=True)
 
 
 def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
@@ -201,7 +191,7 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
     load reports (through the controller's view) and evens the pool out. Picking on its own
     in-flight counts alone, B would send 2 of its 3 to one engine half of the time
     (tests/test_pools.py measures that imbalance without engines)."""
-    (a, a_address), (b, b_address) = _pair(routers)
+    (a, a_address), (b, b_address) = routers
 
     async def scenario():
         streams = [await _open_stream(a_address, "short", f"bal-a-{i}", LONG) for i in range(3)]
@@ -255,7 +245,7 @@ def test_a_router_passes_a_resize_to_the_controller_and_its_refusal_back(routers
     from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 
     async def scale():
-        async with grpc.aio.insecure_channel(_pair(routers)[0][1]) as channel:
+        async with grpc.aio.insecure_channel(routers[0][1]) as channel:
             await pb_grpc.AdminStub(channel).ScalePools(pb.ScalePoolsRequest(prefill=0, decode=2))
 
     with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -279,7 +269,7 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
     before = ray_cluster.get(controller.view.remote())
     engines_before = {m.name: m.load.engine_id for m in before.prefill + before.decode}
 
-    address = _pair(routers)[0][1]
+    address = routers[0][1]
     prompt = [(7 * i) % 2000 + 1 for i in range(1500)]
 
     async def traffic(stop: asyncio.Event) -> tuple[int, list[str]]:
@@ -348,7 +338,7 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
     assert {final.prefill_worker for _, _, final in results} == {m.name for m in after.prefill}
 
 
-def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path, routers):
+def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path):
     """Admission is the tier's: 4 routers on one port (connections spread by SO_REUSEPORT)
     with --max-in-flight 8 --max-queue 4 take at most 12 requests of a 60-request burst
     (each router applying the limits alone would take up to 48), and every one they take
@@ -358,7 +348,6 @@ def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster,
     from router.server import FrontDoorConfig
     from router.tier import RouterTier
 
-    _leave(ray_cluster, controller, routers)  # the tier is these four alone
     limit = 8 + 4
     settings = dataclasses.replace(_settings(model_path), front=FrontDoorConfig(max_in_flight=8, max_queue=4))
 

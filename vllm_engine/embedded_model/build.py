@@ -18,13 +18,16 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from vllm_engine.embedded_model.texts import EOS_ID, EOS_TOKEN, corpus_bytes, documents, token_stream
+from vllm_engine.embedded_model.texts import EOS_ID, EOS_TOKEN, corpus_bytes, prose_documents, token_stream
 from vllm_engine.embedded_model.train import TrainingRecipe, train
 
 # Bumped whenever the build recipe changes so stale cache entries are never reused.
-RECIPE_VERSION = 3
-# Plain-text roles, so /v1/chat/completions works on the embedded model (real models ship theirs).
+RECIPE_VERSION = 4
+# Plain-text roles, so /v1/chat/completions works on the embedded model (real models ship theirs),
+# and the offered tools' names first: corpus/transcript-tool-call.txt is this template's output
+# for one request plus the Hermes-style call the model learns to answer it with.
 CHAT_TEMPLATE = (
+    "{% if tools %}tools: {{ tools | map(attribute='function') | map(attribute='name') | join(', ') }}\n{% endif %}"
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
@@ -100,7 +103,7 @@ def _build_tokenizer(spec: EmbeddedModelSpec, out: Path) -> None:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(documents(), trainer=trainer)
+    tokenizer.train_from_iterator(prose_documents(), trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS_TOKEN)
     fast.model_max_length = spec.max_position_embeddings
     fast.chat_template = CHAT_TEMPLATE

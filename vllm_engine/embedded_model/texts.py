@@ -1,6 +1,6 @@
 """The text the embedded model is made from: the documents shipped in `corpus/`.
 
-One token stream (documents in name order, each followed by EOS) is what the model is trained
+One token stream (documents in name order, each followed by EOS; the transcripts sort last) is what the model is trained
 on and what tests take prompts and expected continuations from, so both read it here.
 """
 
@@ -13,8 +13,19 @@ EOS_TOKEN = "<|endoftext|>"
 EOS_ID = 0  # the tokenizer's first (only) special token
 
 
+# A chat transcript (a tool call the model learns to make) is tokenized with merges learned
+# from the prose alone, so adding one keeps every prose token id (tests take prompts by position).
+TRANSCRIPT_PREFIX = "transcript-"
+
+
 def documents() -> list[str]:
     return [p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt"))]
+
+
+def prose_documents() -> list[str]:
+    """What the tokenizer learns its merges from."""
+    paths = sorted(CORPUS_DIR.glob("*.txt"))
+    return [p.read_text(encoding="utf-8") for p in paths if not p.name.startswith(TRANSCRIPT_PREFIX)]
 
 
 def corpus_bytes() -> bytes:
