@@ -61,9 +61,9 @@ async def _chunks(actor, request) -> list:
 def _clear(token: int, position) -> bool:
     """`token` is the engine's first choice at this prompt position, by NEAR_TIE_NATS or more
     (entries: (token id, logprob, rank, text), the prompt's own token first)."""
-    by_rank = {rank: logprob for _, logprob, rank, _ in position}
-    own_rank = position[0][2]
-    return position[0][0] == token and own_rank == 1 and by_rank[1] - by_rank.get(2, -math.inf) >= NEAR_TIE_NATS
+    own_token, own_logprob, own_rank, _ = position[0]
+    runner_up = max((logprob for _, logprob, rank, _ in position if rank == 2), default=-math.inf)
+    return own_token == token and own_rank == 1 and own_logprob - runner_up >= NEAR_TIE_NATS
 
 
 @pytest.fixture(scope="module")

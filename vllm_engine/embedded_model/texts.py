@@ -1,7 +1,8 @@
 """The text the embedded model is made from: the documents shipped in `corpus/`.
 
-One token stream (documents in name order, each followed by EOS; the transcripts sort last) is what the model is trained
-on and what tests take prompts and expected continuations from, so both read it here.
+One token stream (documents in name order, each followed by EOS; transcripts sort last) is what
+the model is trained on and what tests take prompts and expected continuations from, so both
+read it here.
 """
 
 from __future__ import annotations
@@ -18,19 +19,22 @@ EOS_ID = 0  # the tokenizer's first (only) special token
 TRANSCRIPT_PREFIX = "transcript-"
 
 
+def _paths() -> list[Path]:
+    return sorted(CORPUS_DIR.glob("*.txt"))
+
+
 def documents() -> list[str]:
-    return [p.read_text(encoding="utf-8") for p in sorted(CORPUS_DIR.glob("*.txt"))]
+    return [p.read_text(encoding="utf-8") for p in _paths()]
 
 
 def prose_documents() -> list[str]:
     """What the tokenizer learns its merges from."""
-    paths = sorted(CORPUS_DIR.glob("*.txt"))
-    return [p.read_text(encoding="utf-8") for p in paths if not p.name.startswith(TRANSCRIPT_PREFIX)]
+    return [p.read_text(encoding="utf-8") for p in _paths() if not p.name.startswith(TRANSCRIPT_PREFIX)]
 
 
 def corpus_bytes() -> bytes:
     """What the model's fingerprint covers."""
-    return b"".join(p.read_bytes() for p in sorted(CORPUS_DIR.glob("*.txt")))
+    return b"".join(p.read_bytes() for p in _paths())
 
 
 def token_stream(model_dir: Path | str) -> list[int]:
