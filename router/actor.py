@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import ray
 
@@ -67,7 +68,6 @@ class RouterActor:
 
     async def serve(self) -> RouterAddresses:
         from prometheus_client import start_http_server
-        from transformers import AutoTokenizer
 
         from router.mirror import ControllerMirror
         from router.server import RouterServer
@@ -75,7 +75,12 @@ class RouterActor:
 
         s = self._settings
         model = resolve_model(s.model)
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = None
+        if s.http:  # the OpenAI front needs transformers' tokenizer (chat templates); gRPC only ids
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(model)
+        encode = tokenizer.encode if tokenizer is not None else prompt_encoder(model)
         controller = self._controller
         view = await controller.view.remote()
         mirror = ControllerMirror(controller, view, self._name, s.tier_size)
@@ -88,7 +93,7 @@ class RouterActor:
                 raise err.cause from None
 
         self._server = RouterServer(
-            orchestrator, mirror, tokenizer.encode, model, s.listen, s.health_interval_s, scale, s.front, tier=mirror
+            orchestrator, mirror, encode, model, s.listen, s.health_interval_s, scale, s.front, tier=mirror
         )
         await self._server.start()
         http = metrics = None
@@ -115,3 +120,17 @@ class RouterActor:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def prompt_encoder(model: str) -> Callable[[str], list[int]]:
+    """Text to token ids as transformers' fast tokenizer gives them, from the Rust `tokenizers`
+    one it wraps: without importing transformers and torch, most of a router's start time."""
+    path = Path(model) / "tokenizer.json"
+    if not path.is_file():  # a slow-only tokenizer: transformers converts it
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model).encode
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path))
+    return lambda text: tokenizer.encode(text).ids

@@ -48,10 +48,9 @@ class RouterTier:
         first = await self._add(0)
         # The others bind the ports the first one got (a listen port of 0 picks a free one).
         self._settings = dataclasses.replace(self._settings, listen=first.grpc, http=first.http)
-        for slot in range(1, count):
-            await self._add(slot)
+        await asyncio.gather(*(self._add(slot) for slot in range(1, count)))
         self._watch = asyncio.get_running_loop().create_task(self._keep_count())
-        return [addresses for _, addresses in self.routers.values()]
+        return [self.routers[slot][1] for slot in sorted(self.routers)]
 
     async def _add(self, slot: int) -> RouterAddresses:
         s = self._settings

@@ -65,17 +65,26 @@ def engine_config(model_path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def reference(ray_cluster, engine_config) -> dict[str, Any]:
-    """Colocated outputs: same engine configuration, no connector, prefill and decode local."""
-    from reference import PROMPTS, reference_runs
+def colocated_engine(ray_cluster, engine_config) -> Any:
+    """One colocated engine (no connector: prefill and decode local) for every module's
+    reference outputs, started once. Its JSON has no free whitespace (tests/openai_cases.py's
+    STAGE_SCHEMA says why); only guided requests see that setting."""
+    import dataclasses
 
     from decode_worker.actor import DecodeActor
 
-    actor = DecodeActor.remote("colocated", engine_config.with_cores("1"), None)
-    try:
-        return run(reference_runs(actor, list(PROMPTS), "ref"))
-    finally:
-        ray_cluster.kill(actor, no_restart=True)
+    config = dataclasses.replace(engine_config, disable_any_whitespace=True).with_cores("1")
+    actor = DecodeActor.remote("colocated", config, None)
+    yield actor
+    ray_cluster.kill(actor, no_restart=True)
+
+
+@pytest.fixture(scope="session")
+def reference(colocated_engine) -> dict[str, Any]:
+    """Colocated outputs: same engine configuration, no connector, prefill and decode local."""
+    from reference import PROMPTS, reference_runs
+
+    return run(reference_runs(colocated_engine, list(PROMPTS), "ref"))
 
 
 @pytest.fixture

@@ -174,20 +174,19 @@ async def _run(actor, request: GenerateRequest) -> Output:
     return Output(tokens, "".join(texts), finish, logprobs, prompt_logprobs)
 
 
-def reference_outputs(ray, engine_config, model_path: str) -> Colocated:
-    """Every case on one colocated engine (logprobs 20 for the margins: sampling is unchanged)."""
+def reference_outputs(actor, model_path: str) -> Colocated:
+    """Every case on the colocated engine `actor` (logprobs 20 for the margins: sampling is
+    unchanged)."""
     import asyncio
 
     from transformers import AutoTokenizer
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from decode_worker.actor import DecodeActor
     from router.chat_prompt import prompt_ids
 
     prompts = _prompts(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     prompts["chat"] = prompt_ids(tokenizer, ChatCompletionRequest(messages=CHAT_MESSAGES))
-    actor = DecodeActor.remote("colocated-fields", engine_config.with_cores("1"), None)
 
     async def run_cases(names: list[str]) -> dict[str, Output]:
         """At once, in one batch (greedy cases are compared up to their first near-tie, where
@@ -221,10 +220,7 @@ def reference_outputs(ray, engine_config, model_path: str) -> Colocated:
         outputs["prompt_logprobs"] = await _run(actor, GenerateRequest("ref-plp", prompts["short"], scored))
         return outputs
 
-    try:
-        return Colocated(prompts, asyncio.run(all_cases()), CHAT_MESSAGES)
-    finally:
-        ray.kill(actor, no_restart=True)
+    return Colocated(prompts, asyncio.run(all_cases()), CHAT_MESSAGES)
 
 
 def _token_id(token: str) -> int:

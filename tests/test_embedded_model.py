@@ -44,13 +44,12 @@ def test_default_model_is_a_3_to_1_bf16_hybrid(model_path):
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
 
 
-def test_greedy_decoding_reproduces_the_corpus_with_clear_margins(ray_cluster, engine_config, model_path):
+def test_greedy_decoding_reproduces_the_corpus_with_clear_margins(colocated_engine, model_path):
     """10 prompts evenly spaced over the corpus, 128 greedy tokens each on a real vLLM engine:
     the top-2 logprob gap is >= 0.1 nat at >= 95% of positions (so bf16 rounding between
     engines cannot flip a token), and most continuations follow the corpus for >= 32 tokens."""
     from tokenizers import Tokenizer
 
-    from decode_worker.actor import DecodeActor
 
     stream = token_stream(model_path)
     ring = stream + stream  # training read the corpus as a ring, so may the prompts
@@ -59,15 +58,11 @@ def test_greedy_decoding_reproduces_the_corpus_with_clear_margins(ray_cluster, e
     requests = [
         GenerateRequest(f"corpus-{start}", tuple(ring[start : start + PROMPT_TOKENS]), sampling) for start in starts
     ]
-    actor = DecodeActor.remote("memorized", engine_config.with_cores("1"), None)
-    try:
 
-        async def all_prompts():
-            return await asyncio.gather(*(reference_run(actor, r) for r in requests))
+    async def all_prompts():
+        return await asyncio.gather(*(reference_run(colocated_engine, r) for r in requests))
 
-        outputs = run(all_prompts())
-    finally:
-        ray_cluster.kill(actor, no_restart=True)
+    outputs = run(all_prompts())
 
     tokenizer = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
     matched, decisive, positions = [], 0, 0

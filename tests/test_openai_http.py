@@ -37,11 +37,11 @@ def served(ray_cluster, engines, model_path, colocated):
 
 
 @pytest.fixture(scope="module")
-def colocated(ray_cluster, engines, model_path):
+def colocated(colocated_engine, model_path):
     """Each field case's output on a colocated engine (no connector, one engine does all)."""
     from openai_cases import reference_outputs
 
-    return reference_outputs(ray_cluster, engines, model_path)
+    return reference_outputs(colocated_engine, model_path)
 
 
 @pytest.fixture(scope="module")

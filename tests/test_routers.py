@@ -65,23 +65,38 @@ def _settings(model_path: str):  # noqa: ANN202
     return RouterSettings(model=model_path, listen="127.0.0.1:0", metrics_port=0, health_interval_s=0.2, tier_size=2)
 
 
-def _router(controller, model_path, name):
+def _routers(controller, model_path, *names):
+    """Routers started at once (each loads its tokenizer and imports in its own process)."""
     import ray
 
     from router.actor import RouterActor
 
-    actor = RouterActor.remote(name, controller, _settings(model_path))
-    return actor, ray.get(actor.serve.remote()).grpc
+    actors = [RouterActor.remote(name, controller, _settings(model_path)) for name in names]
+    return [(actor, addresses.grpc) for actor, addresses in zip(actors, ray.get([a.serve.remote() for a in actors]))]
 
 
 @pytest.fixture
 def routers(ray_cluster, controller, model_path):
     names = ("router-a", "router-b")
-    made = [_router(controller, model_path, name) for name in names]
+    made = _routers(controller, model_path, *names)
     yield made
     for (actor, _), name in zip(made, names):
         ray_cluster.kill(actor, no_restart=True)
         ray_cluster.get(controller.router_left.remote(name))  # its admission share is free at once
+
+
+def test_a_grpc_router_tokenizes_as_transformers_does(model_path):
+    """A router without the HTTP front encodes with the Rust tokenizer alone: the same ids."""
+    from transformers import AutoTokenizer
+
+    from router.actor import prompt_encoder
+    from vllm_engine.embedded_model.texts import documents
+
+    hf, encode = AutoTokenizer.from_pretrained(model_path), prompt_encoder(model_path)
+    texts = ["", "  two leading spaces", "\u00fcn\u00efc\u00f8d\u00e9 \u6f22\u5b57 \U0001f642"]
+    texts += ["<|im_start|>user\nhi<|im_end|>"] + [document[:2000] for document in documents()]
+    for text in texts:
+        assert encode(text) == hf.encode(text), text[:80]
 
 
 def _engines_idle(ray, controller) -> bool:
@@ -171,7 +186,7 @@ def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(
     ]  # same engines, none restarted: no router owns them
     assert all(m.lifecycle is Lifecycle.LIVE for m in after.prefill + after.decode)
 
-    newcomer, address = _router(controller, model_path, "router-c")  # a new router joins
+    ((newcomer, address),) = _routers(controller, model_path, "router-c")  # a new router joins
     try:
 
         async def through_newcomer():
@@ -216,26 +231,6 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
     assert wait_until(lambda: _engines_idle(ray_cluster, controller), timeout_s=LEASE_S + 4), (
         "cancelled streams left blocks"
     )
-
-
-def test_routers_on_one_host_share_the_port(ray_cluster, controller, model_path):
-    from router.tier import RouterTier
-
-    async def scenario():
-        tier = RouterTier(controller, _settings(model_path))
-        try:
-            addresses = await tier.start(2)
-            assert addresses[0].grpc == addresses[1].grpc  # SO_REUSEPORT: one address, two routers
-            pids = {await actor.pid.remote() for actor, _ in tier.routers.values()}
-            assert len(pids) == 2
-            async with grpc.aio.insecure_channel(addresses[0].grpc) as channel:
-                request = build_request(list(PROMPTS["short"]), "shared-port", max_tokens=4, ignore_eos=True)
-                tokens, _, final = await stream_tokens(channel, request)
-            assert len(tokens) == 4 and final.finish_reason == "length"
-        finally:
-            assert await tier.drain(5)
-
-    run(scenario())
 
 
 def test_a_router_passes_a_resize_to_the_controller_and_its_refusal_back(routers):
@@ -367,7 +362,11 @@ def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster,
     async def scenario() -> list[str]:
         tier = RouterTier(controller, settings)
         try:
-            address = (await tier.start(4))[0].grpc
+            addresses = await tier.start(4)
+            # SO_REUSEPORT: one address, four router processes behind it.
+            assert len({a.grpc for a in addresses}) == 1, addresses
+            assert len({await actor.pid.remote() for actor, _ in tier.routers.values()}) == 4
+            address = addresses[0].grpc
             await asyncio.sleep(2)  # a few view intervals: the routers' shares settle
             return await asyncio.gather(*(one(address, i) for i in range(60)))
         finally:
