@@ -16,6 +16,7 @@ from controller.deployment import Deployment, DeploymentConfig
 from messages.errors import InvalidRequestError
 from router.chat_parsing import ChatParsers
 from router.orchestrator import Orchestrator
+from router.prompt_encoder import prompt_encoder
 from router.server import FrontDoorConfig, RouterServer
 from vllm_engine.config import resolve_model
 
@@ -60,10 +61,15 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         config = self.deployment.config
-        if self._text_prompts:
+        encode = _no_text_prompts
+        if self._text_prompts and self._http_address is not None:
+            # The OpenAI front needs transformers' tokenizer (chat templates).
             from transformers import AutoTokenizer
 
             self.tokenizer = AutoTokenizer.from_pretrained(self.model)
+            encode = self.tokenizer.encode
+        elif self._text_prompts:  # gRPC alone needs only ids
+            encode = prompt_encoder(self.model)
         self._say(f"model {self.model}: starting {config.summary()}...")
         try:
             orchestrator = self.orchestrator if self.deployment.orchestrator else await self.deployment.start()
@@ -71,11 +77,10 @@ class LocalStack:
                 self._say(f"  {name}: {capacity.summary()}")
             for link in self.deployment.links:
                 self._say(f"  link {link.summary()}")
-            tokenize = self.tokenizer.encode if self.tokenizer is not None else _no_text_prompts
             self.server = RouterServer(
                 orchestrator,
                 self.deployment.health,
-                tokenize,
+                encode,
                 self.model,
                 self._listen,
                 health_interval_s=self._health_interval_s,

@@ -12,8 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import ray
 
@@ -21,6 +20,7 @@ from configuration.fields import knob, section
 from messages.membership import ScalingDecision, ScalingOutcome
 from router.chat_parsing import ChatParsers
 from router.orchestrator import Orchestrator, RouterPolicy
+from router.prompt_encoder import prompt_encoder
 from router.server import FrontDoorConfig
 
 log = logging.getLogger(__name__)
@@ -76,11 +76,13 @@ class RouterActor:
         s = self._settings
         model = resolve_model(s.model)
         tokenizer = None
-        if s.http:  # the OpenAI front needs transformers' tokenizer (chat templates); gRPC only ids
+        if s.http:  # the OpenAI front needs transformers' tokenizer (chat templates)
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model)
-        encode = tokenizer.encode if tokenizer is not None else prompt_encoder(model)
+            encode = tokenizer.encode
+        else:  # gRPC alone needs only ids
+            encode = prompt_encoder(model)
         controller = self._controller
         view = await controller.view.remote()
         mirror = ControllerMirror(controller, view, self._name, s.tier_size)
@@ -120,17 +122,3 @@ class RouterActor:
 
     def pid(self) -> int:
         return os.getpid()
-
-
-def prompt_encoder(model: str) -> Callable[[str], list[int]]:
-    """Text to token ids as transformers' fast tokenizer gives them, from the Rust `tokenizers`
-    one it wraps: without importing transformers and torch, most of a router's start time."""
-    path = Path(model) / "tokenizer.json"
-    if not path.is_file():  # a slow-only tokenizer: transformers converts it
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model).encode
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(path))
-    return lambda text: tokenizer.encode(text).ids

@@ -50,7 +50,6 @@ def test_greedy_decoding_reproduces_the_corpus_with_clear_margins(colocated_engi
     engines cannot flip a token), and most continuations follow the corpus for >= 32 tokens."""
     from tokenizers import Tokenizer
 
-
     stream = token_stream(model_path)
     ring = stream + stream  # training read the corpus as a ring, so may the prompts
     starts = [i * len(stream) // PROMPTS for i in range(PROMPTS)]

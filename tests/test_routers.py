@@ -89,7 +89,7 @@ def test_a_grpc_router_tokenizes_as_transformers_does(model_path):
     """A router without the HTTP front encodes with the Rust tokenizer alone: the same ids."""
     from transformers import AutoTokenizer
 
-    from router.actor import prompt_encoder
+    from router.prompt_encoder import prompt_encoder
     from vllm_engine.embedded_model.texts import documents
 
     hf, encode = AutoTokenizer.from_pretrained(model_path), prompt_encoder(model_path)
