@@ -94,6 +94,9 @@ class SamplingConfig:
     # special) and spaced as vLLM's SamplingParams has it.
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # Teacher forcing (vllm_engine.teacher_forcing): emit these tokens, in order, with the
+    # model's own logprobs for each. For equivalence checks; no client API sets it.
+    forced_tokens: tuple[int, ...] = ()
 
     @property
     def decoded_whole(self) -> bool:
@@ -138,6 +141,11 @@ class SamplingConfig:
             raise InvalidRequestError("stop", f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequestError("stop_token_ids", f"{len(self.stop_token_ids)} ids; at most {MAX_STOP_TOKEN_IDS}")
+        bad = [t for t in self.forced_tokens if not 0 <= t < limits.vocab_size]
+        if bad or len(self.forced_tokens) > self.max_tokens:
+            raise InvalidRequestError(
+                "forced_tokens", f"at most max_tokens ids in [0, {limits.vocab_size}); got {len(self.forced_tokens)}"
+            )
         self._validate_vllm_extras(limits)
 
     def _validate_vllm_extras(self, limits: ModelLimits) -> None:
@@ -230,5 +238,6 @@ class GenerateRequest:
                 min_tokens=max(0, self.sampling.min_tokens - len(generated)),
                 seed=None if seed is None else (seed * 1_000_003 + len(generated)) % 2**63,
                 prompt_logprobs=self.sampling.prompt_logprobs if not generated else None,
+                forced_tokens=self.sampling.forced_tokens[len(generated) :],
             ),
         )

@@ -83,11 +83,17 @@ def test_the_state_dtype_follows_vllms_platform_rule(monkeypatch):
     import vllm_engine.sizing as sizing
 
     assert sizing.ssm_state_dtype("cuda", "bfloat16") == "float32"
+    assert sizing.ssm_state_dtype("cuda", "bfloat16", declared="bfloat16") == "bfloat16"
     monkeypatch.setattr(sizing, "_cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert SizingInputs(device="cpu").mamba_ssm_dtype == "float32"
+    assert sizing.ssm_state_dtype("cpu", "bfloat16") == "float32"
+    assert sizing.ssm_state_dtype("cpu", "bfloat16", declared="bfloat16") == "bfloat16", "a 16-bit GDN state stays"
+    assert sizing.ssm_state_dtype("cpu", "bfloat16", declared="bfloat16", mamba2=True) == "float32"
     monkeypatch.setattr(sizing, "_cpu_flags", lambda: {"avx2", "fma"})
-    assert SizingInputs(device="cpu").mamba_ssm_dtype == "bfloat16"
-    assert SizingInputs(device="cpu", mamba_ssm_dtype="float32").mamba_ssm_dtype == "float32", "an explicit one wins"
+    assert sizing.ssm_state_dtype("cpu", "bfloat16") == "bfloat16"
+    assert sizing.ssm_state_dtype("cpu", "bfloat16", declared="float32") == "float32", "the model's own wins"
+    shape = ModelShape.from_config(QWEN35_27B)
+    plan = plan_engine(shape, SizingInputs(device="cpu", kv_cache_bytes=GiB, max_model_len=4096, mamba_ssm_dtype="float32"))
+    assert plan.ssm_dtype == "float32", "an explicit one wins"
 
 
 def test_plain_attention_and_interval_layouts():
@@ -244,20 +250,33 @@ def test_nemotron_nano_9b_v2_mamba2_state():
     assert tp2.conv_bytes_per_request_per_rank == 1_990_656 // 2
 
 
-def test_sliding_window_layers_are_refused_by_name():
-    gpt_oss_120b = {  # sliding-window layers: not sized yet, and said so
-        "hidden_size": 2880,
-        "num_hidden_layers": 36,
-        "layer_types": ["sliding_attention", "full_attention"] * 18,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "head_dim": 64,
-        "vocab_size": 201088,
-        "intermediate_size": 2880,
-        "max_position_embeddings": 131072,
-    }
-    with pytest.raises(ValueError, match="sliding_attention"):
-        ModelShape.from_config(gpt_oss_120b)
+def test_gpt_oss_120b_sliding_window_at_tp4():
+    """Sliding-window and full-attention layers alternate (18 each): one group of each, 18
+    layers a page. A 2,000-token prompt moves every full-attention block but only the
+    window's last ceil(128 / 16) + 1 blocks of each sliding layer, as NixlConnector clips
+    them. Weights are figured in bf16: the published checkpoint's MXFP4 experts are smaller."""
+    shape = published("gpt-oss-120b.json")
+    assert (shape.num_full_layers, shape.num_sliding_layers, shape.sliding_window) == (18, 18, 128)
+    assert abs(shape.param_count() - 116.8e9) < 0.01 * 116.8e9
+    plan = plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=4))
+    assert (plan.kv_bytes_per_token, plan.kv_bytes_per_token_per_rank) == (18 * 2 * 8 * 64 * 2, 18 * 2 * 2 * 64 * 2)
+    assert (plan.block_size, plan.layers_per_group, plan.num_full_groups, plan.num_sliding_groups) == (16, 18, 1, 1)
+    assert plan.page_bytes == 18 * 16 * 512
+    assert plan.bytes_moved_attention == 2000 * 36_864 == 73_728_000
+    assert plan.bytes_moved_sliding == 9 * 16 * 18 * 512 * 4 == 5_308_416
+    assert plan.bytes_moved_state == 0
+    # A 131,072-token request: every block of the full layers; the window plus one step's
+    # 8,192 tokens (and a block where the window starts mid-block) of the sliding ones.
+    assert plan.window_blocks(131_072) == math.ceil((127 + 8192) / 16) + 1 == 521
+    assert plan.blocks_for(131_072) == 8192 + 521
+    plan.check()
+
+
+def test_a_sliding_layer_without_a_window_is_refused_by_name():
+    config = json.loads((MODEL_CONFIGS / "gpt-oss-120b.json").read_text())
+    del config["sliding_window"]
+    with pytest.raises(ValueError, match="sliding_attention layers but no sliding_window"):
+        ModelShape.from_config(config)
 
 
 def test_an_engine_at_a_positive_niceness_is_named_at_start_up():

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = "embedded"
 # vLLM's CPU default tries to reserve ~92% of RAM: CPU engines always get an explicit size.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
+# Every engine loads it: requests that force their tokens (equivalence checks) need it.
+TEACHER_FORCING = "vllm_engine.teacher_forcing:TeacherForcing"
 
 Device = Literal["cpu", "cuda"]
 # "inprocess": vLLM's LLMEngine on one thread of the actor (vllm_engine.loop);
@@ -179,6 +181,7 @@ class EngineConfig:
             structured_outputs_config=self._structured_outputs_config(),
             kv_transfer_config=kv_transfer_config,
             kv_events_config=kv_events_config,
+            logits_processors=[TEACHER_FORCING],
             **{**self.extra_engine_args, **overrides},
         )
 

@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from vllm.outputs import RequestOutput
     from vllm.sampling_params import StructuredOutputsParams
 
+# SamplingParams.extra_args key of the tokens a request forces (vllm_engine.teacher_forcing).
+FORCED_TOKENS_KEY = "pdserve_forced_tokens"
+
 
 def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingParams":
     from vllm import SamplingParams
@@ -43,6 +46,8 @@ def sampling_params(sampling: SamplingConfig, **overrides: Any) -> "SamplingPara
         spaces_between_special_tokens=sampling.spaces_between_special_tokens,
     )
     fields.update(overrides)
+    if sampling.forced_tokens:  # beside the connector's extra_args, if any
+        fields["extra_args"] = {**(fields.get("extra_args") or {}), FORCED_TOKENS_KEY: list(sampling.forced_tokens)}
     # A prefill leg of one token holds what min_tokens asks of its token; decode's leg gets
     # the rest (GenerateRequest.continued).
     fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])

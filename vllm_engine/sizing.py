@@ -22,9 +22,10 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-# Layer kinds: attention (KV per token), recurrent (one state per request: Gated DeltaNet or
-# Mamba-2) and MLP-only (no cache: NemotronH's MLP and MoE blocks).
-FULL, LINEAR, MLP = "full_attention", "linear_attention", "mlp"
+# Layer kinds: attention (KV per token), sliding-window attention (KV for the window's tokens
+# only), recurrent (one state per request: Gated DeltaNet or Mamba-2) and MLP-only (no cache:
+# NemotronH's MLP and MoE blocks).
+FULL, SLIDING, LINEAR, MLP = "full_attention", "sliding_attention", "linear_attention", "mlp"
 # NemotronH spells its layers as a pattern string or as a list.
 _PATTERN_KINDS = {"M": LINEAR, "*": FULL, "-": MLP, "E": MLP}
 _BLOCK_TYPE_KINDS = {"mamba": LINEAR, LINEAR: LINEAR, "attention": FULL, FULL: FULL, "mlp": MLP, "moe": MLP}
@@ -68,6 +69,9 @@ class ModelShape:
     tie_word_embeddings: bool
     max_position_embeddings: int
     attn_output_gate: bool = False
+    sliding_window: int = 0  # tokens each sliding_attention layer attends to
+    # The recurrent state's dtype the config asks vLLM for ("": none; vLLM then decides).
+    ssm_cache_dtype: str = ""
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
@@ -94,6 +98,9 @@ class ModelShape:
     def from_config(cls, config: dict[str, Any]) -> "ModelShape":
         # Multimodal checkpoints (e.g. model_type qwen3_5) nest the language model's config.
         c = config.get("text_config") or config
+        layer_types = _layer_types(c)
+        if "num_hidden_layers" not in c and layer_types:  # NemotronH as transformers 5 writes it
+            c = {**c, "num_hidden_layers": len(layer_types)}
         missing = [
             k
             for k in (
@@ -109,12 +116,14 @@ class ModelShape:
         if missing:
             raise ValueError(f"config lacks {', '.join(missing)}: pass the config.json of a decoder-only LLM")
         n_layers = c["num_hidden_layers"]
-        layer_types = _layer_types(c)
-        if len(layer_types) != n_layers or not set(layer_types) <= {FULL, LINEAR, MLP}:
+        layer_types = layer_types or _interleaved(c)
+        if len(layer_types) != n_layers or not set(layer_types) <= {FULL, SLIDING, LINEAR, MLP}:
             raise ValueError(
-                f"layer_types must list {n_layers} entries of {FULL!r}, {LINEAR!r} or {MLP!r}; got "
+                f"layer_types must list {n_layers} entries of {FULL!r}, {SLIDING!r}, {LINEAR!r} or {MLP!r}; got "
                 f"{len(layer_types)} ({', '.join(sorted(set(layer_types)))})"
             )
+        if SLIDING in layer_types and not c.get("sliding_window"):
+            raise ValueError("the config has sliding_attention layers but no sliding_window size")
         heads = c["num_attention_heads"]
         return cls(
             hidden_size=c["hidden_size"],
@@ -128,6 +137,8 @@ class ModelShape:
             tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
             max_position_embeddings=c["max_position_embeddings"],
             attn_output_gate=bool(c.get("attn_output_gate", c.get("model_type") in _GATED_ATTENTION_MODELS)),
+            sliding_window=int(c.get("sliding_window") or 0) if SLIDING in layer_types else 0,
+            ssm_cache_dtype=_declared_ssm_dtype(c),
             **{
                 k: int(c.get(k) or 0)
                 for k in (
@@ -136,17 +147,24 @@ class ModelShape:
                     "linear_key_head_dim",
                     "linear_value_head_dim",
                     "linear_conv_kernel_dim",
-                    "num_experts",
-                    "moe_intermediate_size",
                     "shared_expert_intermediate_size",
                 )
             },
+            **_moe_fields(c),
             **_mamba_fields(c),
         )
 
     @property
     def num_full_layers(self) -> int:
         return self.layer_types.count(FULL)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return self.layer_types.count(SLIDING)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.num_full_layers + self.num_sliding_layers
 
     @property
     def num_linear_layers(self) -> int:
@@ -213,10 +231,17 @@ class ModelShape:
             mlp = 3 * h * self.intermediate_size  # gate, up, down
         return (
             embeddings
-            + self.num_full_layers * attention
+            + self.num_attention_layers * attention
             + self.num_linear_layers * mixer
             + (self.num_mlp_layers or self.num_hidden_layers) * mlp
         )
+
+
+def _moe_fields(c: dict[str, Any]) -> dict[str, int]:
+    # Qwen's names, or gpt-oss's: its experts are intermediate_size wide.
+    if experts := c.get("num_local_experts"):
+        return {"num_experts": int(experts), "moe_intermediate_size": int(c["intermediate_size"])}
+    return {k: int(c.get(k) or 0) for k in ("num_experts", "moe_intermediate_size")}
 
 
 def _mamba_fields(c: dict[str, Any]) -> dict[str, int]:
@@ -234,25 +259,38 @@ def _mamba_fields(c: dict[str, Any]) -> dict[str, int]:
 
 
 def _layer_types(c: dict[str, Any]) -> tuple[str, ...]:
+    """The config's own list or pattern of layer kinds; () when it has none."""
     if pattern := c.get("hybrid_override_pattern"):
         return tuple(_PATTERN_KINDS.get(kind, kind) for kind in pattern)
     if block_types := c.get("layers_block_type"):
         return tuple(_BLOCK_TYPE_KINDS.get(kind, kind) for kind in block_types)
-    if layer_types := c.get("layer_types"):
-        return tuple(layer_types)
+    return tuple(c.get("layer_types") or ())
+
+
+def _interleaved(c: dict[str, Any]) -> tuple[str, ...]:
     # Every interval-th layer is full attention (Qwen3-Next's full_attention_interval).
     n_layers, interval = c["num_hidden_layers"], c.get("full_attention_interval")
     return tuple(FULL if not interval or (i + 1) % interval == 0 else LINEAR for i in range(n_layers))
 
 
-def ssm_state_dtype(device: str, dtype: str) -> str:
-    """The dtype vLLM 0.32 stores the recurrent state in: float32 on GPUs (Qwen3.5's configs
-    ask for it) and where vLLM's CPU platform runs its accelerated GDN kernels (AVX512-BF16,
-    platforms/cpu.py resets the cache dtype to float32); elsewhere on CPU the cache dtype stays
-    'auto', which follows the model's dtype."""
-    if device != "cpu" or "avx512_bf16" in _cpu_flags():
+def _declared_ssm_dtype(c: dict[str, Any]) -> str:
+    # vLLM 0.32 takes these for a cache dtype of "auto" (model_executor/models/config.py):
+    # NemotronH's mamba_ssm_cache_dtype, float32 when absent; Qwen3.5's mamba_ssm_dtype.
+    if declared := c.get("mamba_ssm_cache_dtype") or c.get("mamba_ssm_dtype"):
+        return declared
+    return "float32" if c.get("model_type") == "nemotron_h" else ""
+
+
+def ssm_state_dtype(device: str, dtype: str, declared: str = "", mamba2: bool = False) -> str:
+    """The dtype vLLM 0.32 stores the recurrent state in: the one the model's config declares
+    (ModelShape.ssm_cache_dtype), else float32 on GPUs (Qwen3.5's configs ask for it) and
+    'auto' on CPU, which follows the model's dtype. Where vLLM's CPU platform runs its
+    accelerated kernels (AVX512-BF16, platforms/cpu.py) it resets anything but a 16-bit GDN
+    state to float32."""
+    avx512_bf16 = device == "cpu" and "avx512_bf16" in _cpu_flags()
+    if avx512_bf16 and not (declared in ("float16", "bfloat16") and not mamba2):
         return "float32"
-    return dtype
+    return declared or ("float32" if device != "cpu" else dtype)
 
 
 def _cpu_flags() -> set[str]:
@@ -276,6 +314,9 @@ class SizingInputs:
     tensor_parallel_size: int = default_of(EngineConfig, "tensor_parallel_size")
     max_model_len: int = default_of(EngineConfig, "max_model_len")
     max_num_seqs: int = default_of(EngineConfig, "max_num_seqs")
+    # Tokens one step computes: a sliding-window layer holds the window plus these at most.
+    # None: as many as max_model_len (the most it could need).
+    max_num_batched_tokens: int | None = default_of(EngineConfig, "max_num_batched_tokens")
     # Explicit KV cache per rank (vLLM's kv_cache_memory_bytes); required on cpu. On cuda,
     # None sizes it from GPU memory like --gpu-memory-utilization does.
     kv_cache_bytes: int | None = None
@@ -283,7 +324,8 @@ class SizingInputs:
     gpu_memory_utilization: float = default_of(EngineConfig, "gpu_memory_utilization")
     block_size: int | None = None  # None: vLLM's default for the device
     dtype: str = default_of(EngineConfig, "dtype")  # weights, KV cache and DeltaNet conv state
-    # DeltaNet recurrent state. None: as vLLM stores it (ssm_state_dtype).
+    # The recurrent state's (vLLM's --mamba-ssm-cache-dtype). None: as vLLM stores it for
+    # the model (ssm_state_dtype; EnginePlan.ssm_dtype is the one used).
     mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
     prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
@@ -292,9 +334,6 @@ class SizingInputs:
     link_gbit_s: tuple[float, ...] = (25.0, 100.0, 400.0, 3200.0)
     prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")  # hybrids: align mode
 
-    def __post_init__(self) -> None:
-        if self.mamba_ssm_dtype is None:  # resolved once, so every figure and label uses the same
-            object.__setattr__(self, "mamba_ssm_dtype", ssm_state_dtype(self.device, self.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,8 +344,10 @@ class EnginePlan:
     inputs: SizingInputs
     weights_bytes: int
     weights_bytes_per_rank: int
-    kv_bytes_per_token: int
+    kv_bytes_per_token: int  # full-attention layers
     kv_bytes_per_token_per_rank: int
+    kv_bytes_per_token_layer_per_rank: int  # one attention layer's K and V
+    ssm_dtype: str  # the recurrent state's
     temporal_bytes_per_request: int
     temporal_bytes_per_request_per_rank: int
     conv_bytes_per_request: int
@@ -315,12 +356,26 @@ class EnginePlan:
     layers_per_group: int  # layers whose pages make up one block
     num_linear_groups: int  # one state block each per request
     num_full_groups: int  # ceil(tokens / block_size) blocks each per request
+    num_sliding_groups: int  # the window's blocks each per request
     page_bytes: int  # one block, per rank
     kv_cache_bytes_per_rank: int
     num_blocks: int  # per rank, including vLLM's null block
 
     def blocks_for(self, tokens: int) -> int:
-        return self.num_linear_groups + self.num_full_groups * math.ceil(tokens / self.block_size)
+        return (
+            self.num_linear_groups
+            + self.num_full_groups * math.ceil(tokens / self.block_size)
+            + self.num_sliding_groups * self.window_blocks(tokens)
+        )
+
+    def window_blocks(self, tokens: int) -> int:
+        """Blocks a sliding-window group holds for a request of `tokens`: the window and one
+        step's tokens, plus one block where the window starts mid-block
+        (SlidingWindowSpec.max_admission_blocks_per_request)."""
+        if not self.num_sliding_groups:
+            return 0
+        in_flight = self.inputs.max_num_batched_tokens or tokens
+        return math.ceil(min(self.shape.sliding_window - 1 + in_flight, tokens) / self.block_size) + 1
 
     @property
     def usable_blocks(self) -> int:
@@ -342,7 +397,18 @@ class EnginePlan:
 
     @property
     def bytes_moved_attention(self) -> int:
+        """Full-attention layers: every block of the prompt."""
         return self.transfer_tokens * self.kv_bytes_per_token_per_rank * self.inputs.tensor_parallel_size
+
+    @property
+    def bytes_moved_sliding(self) -> int:
+        """Sliding-window layers: NixlConnector sends a group's last ceil(window / block) + 1
+        blocks at most (NixlConnectorScheduler.get_exchange_clipped_blocks)."""
+        blocks = min(
+            self.transfer_tokens // self.block_size, math.ceil(self.shape.sliding_window / self.block_size) + 1
+        )
+        per_rank = self.shape.num_sliding_layers * blocks * self.block_size * self.kv_bytes_per_token_layer_per_rank
+        return per_rank * self.inputs.tensor_parallel_size
 
     @property
     def bytes_moved_state(self) -> int:
@@ -363,7 +429,8 @@ class EnginePlan:
         raise SizingError(
             f"one {n:,}-token request needs {needed:,} blocks "
             f"({self.num_linear_groups} {self.shape.state_kind} + "
-            f"{self.num_full_groups} x ceil({n:,} / {self.block_size}) attention) "
+            f"{self.num_full_groups} x ceil({n:,} / {self.block_size}) attention + "
+            f"{self.num_sliding_groups} x {self.window_blocks(n)} sliding-window) "
             f"but the KV cache holds {self.usable_blocks:,}: {self.kv_cache_bytes_per_rank:,} B per rank "
             f"// {self.page_bytes:,} B per block = {self.num_blocks:,} blocks, less vLLM's null block. "
             f"Needs at least {(needed + 1) * self.page_bytes:,} B per rank: {fix}, or lower --max-model-len."
@@ -373,8 +440,8 @@ class EnginePlan:
 def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
     """Size one engine. Raises ValueError for settings vLLM would refuse; call `check()`
     on the result to know whether one max_model_len request fits."""
-    if shape.num_full_layers == 0:
-        raise ValueError("the model has no full-attention layers: pure recurrent models are not sized here")
+    if shape.num_attention_layers == 0:
+        raise ValueError("the model has no attention layers: pure recurrent models are not sized here")
     if inputs.max_model_len > shape.max_position_embeddings:
         raise ValueError(
             f"--max-model-len {inputs.max_model_len:,} exceeds the model's "
@@ -382,7 +449,10 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         )
     tp = inputs.tensor_parallel_size
     _check_tp(shape, tp)
-    dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(inputs.mamba_ssm_dtype)
+    ssm_name = inputs.mamba_ssm_dtype or ssm_state_dtype(
+        inputs.device, inputs.dtype, shape.ssm_cache_dtype, shape.is_mamba2
+    )
+    dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(ssm_name)
 
     # Fewer KV heads than ranks: each rank keeps one replicated head (ModelConfig.get_num_kv_heads).
     kv_heads_per_rank = max(1, shape.num_key_value_heads // tp)
@@ -404,7 +474,7 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
     temporal_layer = state_heads // tp * head_state
     conv_layer = (kernel - 1) * conv_dim_per_rank * dtype
     state_layer = temporal_layer + conv_layer
-    n_full, n_linear = shape.num_full_layers, shape.num_linear_layers
+    n_full, n_sliding, n_linear = shape.num_full_layers, shape.num_sliding_layers, shape.num_linear_layers
 
     block_size = (
         _block_size(inputs, state_layer, attn_token_layer)
@@ -412,7 +482,7 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         else (inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device])
     )
     # vLLM pads the state page up to the attention page, so every layer's page is the same.
-    layers_per_group = _layers_per_group([n for n in (n_full, n_linear) if n])
+    layers_per_group = _layers_per_group([n for n in (n_full, n_sliding, n_linear) if n])
     page_bytes = layers_per_group * block_size * attn_token_layer
 
     weights = shape.param_count() * dtype
@@ -424,6 +494,8 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         weights_bytes_per_rank=weights // tp,
         kv_bytes_per_token=n_full * 2 * shape.num_key_value_heads * shape.head_dim * dtype,
         kv_bytes_per_token_per_rank=n_full * attn_token_layer,
+        kv_bytes_per_token_layer_per_rank=attn_token_layer,
+        ssm_dtype=ssm_name,
         temporal_bytes_per_request=n_linear * state_heads * head_state,
         temporal_bytes_per_request_per_rank=n_linear * temporal_layer,
         conv_bytes_per_request=n_linear * (kernel - 1) * conv_dim * dtype,
@@ -432,6 +504,7 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         layers_per_group=layers_per_group,
         num_linear_groups=math.ceil(n_linear / layers_per_group),
         num_full_groups=math.ceil(n_full / layers_per_group),
+        num_sliding_groups=math.ceil(n_sliding / layers_per_group),
         page_bytes=page_bytes,
         kv_cache_bytes_per_rank=kv_cache,
         num_blocks=kv_cache // page_bytes,
@@ -517,10 +590,18 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         ("weights (estimate)", total_and_rank(plan.weights_bytes, plan.weights_bytes_per_rank)),
         ("attention KV per token", total_and_rank(plan.kv_bytes_per_token, plan.kv_bytes_per_token_per_rank)),
     ]
+    if plan.num_sliding_groups:
+        rows.append(
+            (
+                "sliding-window KV",
+                f"{plan.shape.num_sliding_layers} layers x {plan.shape.sliding_window:,}-token window; per layer "
+                f"and token {_size(plan.kv_bytes_per_token_layer_per_rank)} per rank",
+            )
+        )
     if plan.shape.is_hybrid:
         rows.append(
             (
-                f"{plan.shape.state_kind} temporal state ({i.mamba_ssm_dtype})",
+                f"{plan.shape.state_kind} temporal state ({plan.ssm_dtype})",
                 total_and_rank(
                     plan.temporal_bytes_per_request, plan.temporal_bytes_per_request_per_rank, " per request"
                 ),
@@ -533,6 +614,8 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
             )
         )
         groups = f"{plan.num_linear_groups} {plan.shape.state_kind} + {plan.num_full_groups} attention groups"
+    elif plan.num_sliding_groups:
+        groups = f"{plan.num_full_groups} attention + {plan.num_sliding_groups} sliding-window groups"
     else:
         groups = "1 attention group"
     kv_source = (
@@ -561,12 +644,13 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
                 f"{plan.usable_blocks // plan.blocks_for(n):,}, max_num_seqs {i.max_num_seqs})",
             )
         )
-    moved = plan.bytes_moved_attention + plan.bytes_moved_state
+    moved = plan.bytes_moved_attention + plan.bytes_moved_sliding + plan.bytes_moved_state
+    sliding = f" + sliding-window KV {plan.bytes_moved_sliding:,}" if plan.num_sliding_groups else ""
     rows.append(
         (
             f"bytes moved, {i.prompt_tokens:,}-token prompt",
-            f"{moved:,} = attention KV "
-            f"{plan.bytes_moved_attention:,} + {plan.shape.state_kind} state {plan.bytes_moved_state:,} (all ranks)",
+            f"{moved:,} = attention KV {plan.bytes_moved_attention:,}{sliding} + "
+            f"{plan.shape.state_kind} state {plan.bytes_moved_state:,} (all ranks)",
         )
     )
     if i.link_gbit_s:
@@ -607,6 +691,7 @@ def plan_for(config: EngineConfig, shape: ModelShape, **inputs: Any) -> EnginePl
             tensor_parallel_size=config.tensor_parallel_size,
             max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             kv_cache_bytes=config.kv_cache_memory_bytes,
             gpu_memory_utilization=config.gpu_memory_utilization,
             dtype=config.dtype,
