@@ -92,7 +92,8 @@ def test_the_state_dtype_follows_vllms_platform_rule(monkeypatch):
     assert sizing.ssm_state_dtype("cpu", "bfloat16") == "bfloat16"
     assert sizing.ssm_state_dtype("cpu", "bfloat16", declared="float32") == "float32", "the model's own wins"
     shape = ModelShape.from_config(QWEN35_27B)
-    plan = plan_engine(shape, SizingInputs(device="cpu", kv_cache_bytes=GiB, max_model_len=4096, mamba_ssm_dtype="float32"))
+    inputs = SizingInputs(device="cpu", kv_cache_bytes=GiB, max_model_len=4096, mamba_ssm_dtype="float32")
+    plan = plan_engine(shape, inputs)
     assert plan.ssm_dtype == "float32", "an explicit one wins"
 
 
