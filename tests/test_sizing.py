@@ -251,6 +251,14 @@ def test_nemotron_nano_9b_v2_mamba2_state():
     assert tp2.conv_bytes_per_request_per_rank == 1_990_656 // 2
 
 
+def test_mamba2_prefix_caching_on_cpu_is_refused_with_the_flag_that_fixes_it():
+    shape = published("nemotron-nano-9b-v2.json")
+    cpu = SizingInputs(device="cpu", kv_cache_bytes=8 * GiB, max_model_len=4096)
+    with pytest.raises(ValueError, match="cannot prefix-cache Mamba-2 layers: pass --no-enable-prefix-caching"):
+        plan_engine(shape, cpu)
+    plan_engine(shape, dataclasses.replace(cpu, prefix_caching=False)).check()
+
+
 def test_gpt_oss_120b_sliding_window_at_tp4():
     """Sliding-window and full-attention layers alternate (18 each): one group of each, 18
     layers a page. A 2,000-token prompt moves every full-attention block but only the

