@@ -37,3 +37,4 @@ bench: install
 	$(VENV)/bin/python -m bench.planner_live
 	$(VENV)/bin/python -m bench.vs_vllm
 	$(VENV)/bin/python -m bench.prefix_reuse
+	$(VENV)/bin/python -m bench.shadow_cost

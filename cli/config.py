@@ -1,8 +1,8 @@
 """The configuration tree of each `pdserve` subcommand: the roots its flags are generated from.
 
 Each leaf is a field of the config it sets (engine, transfer, routers, front door, planner,
-client, probe, tuner), with its default written there once. The roots of `plan`, `probe` and
-`tune` live beside the code that runs them (a lower layer for `plan` and `tune`). `python -m
+client, probe, tuner), with its default written there once. The roots of `plan`, `probe`,
+`tune` and `verify` live beside the code that runs them (a lower layer for `plan` and `tune`). `python -m
 cli.config` prints the configuration reference (docs/configuration.md; tests/test_config.py
 keeps it current).
 """
@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass, replace
 
 from cli.probe import ProbeConfig
+from cli.verify import VerifyConfig
 from configuration.fields import knob, section
 from configuration.flags import reference
 from controller.deployment import DeploymentConfig
@@ -96,6 +97,7 @@ COMMANDS: dict[str, tuple[type, frozenset[str]]] = {
     "plan": (PlanConfig, PLAN_IGNORES),
     "probe": (ProbeConfig, frozenset()),
     "tune": (TuneConfig, TUNE_FIXED),
+    "verify": (VerifyConfig, frozenset()),
 }
 
 INTRO = """# Configuration reference

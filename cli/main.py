@@ -1,4 +1,4 @@
-"""`pdserve` command line: demo, serve, generate, plan, probe, tune."""
+"""`pdserve` command line: demo, serve, generate, plan, probe, tune, verify."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         "plan": "size engines from a model's config.json (weights, KV, state, blocks)",
         "probe": "measure prefill and decode throughput apart on this hardware",
         "tune": "recommend (and apply) the prefill:decode split",
+        "verify": "check every prefill/decode pair of a live cluster against colocated serving",
     }
     # The sizing and measurement tools build their parsers from the same trees themselves, so
     # `python -m planner.cli` and the others take the same flags: here they get the rest.
-    tools = {"plan", "probe", "tune"}
+    tools = {"plan", "probe", "tune", "verify"}
     for command, (tree, skip) in COMMANDS.items():
         command_parser = sub.add_parser(command, help=helps[command], add_help=command not in tools)
         if command == "demo":
@@ -56,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from planner.cli import main as tune_main
 
         return tune_main(rest)
+    if args.command == "verify":
+        from cli.verify import main as verify_main
+
+        return verify_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     command, prompt = args.command, getattr(args, "prompt", None)

@@ -74,6 +74,12 @@ LOCAL_PREFILL_FALLBACKS = Counter(
 )
 ROUTES = Counter("pdserve_route_picks_total", "Engines picked for a leg, by pool and why", ["pool", "reason"])
 FAILOVERS = Counter("pdserve_decode_failovers_total", "Streams whose decode actor died, by what was done", ["action"])
+SHADOW_CHECKS = Counter(
+    "pdserve_shadow_checks_total",
+    "Requests recomputed colocated to check P/D's tokens (router/shadow_verification.py), by outcome: "
+    "agree, diverge, error (could not run), skipped (checks busy)",
+    ["outcome"],
+)
 PROMPT_TOKENS = Counter("pdserve_request_prompt_tokens_total", "Prompt tokens of finished requests")
 CACHED_TOKENS = Counter(
     "pdserve_request_cached_tokens_total", "Prompt tokens of finished requests served from a prefix cache"

@@ -33,6 +33,7 @@ from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
 from router.journal import RequestJournal
+from router.shadow_verification import ShadowVerifier, emitted_logprobs, without_logprobs
 from cluster.pools import Member, Pool, RouteDecision
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,12 @@ class RouterPolicy:
     decode_cache_slack: int = knob(
         1, help="a decode engine holding more of the prompt wins if it runs at most this many more requests"
     )
+    verify_fraction: float = knob(
+        0.0,
+        help="share of requests the decode engine recomputes colocated, teacher-forced along P/D's tokens, "
+        "to check the handoff (pdserve_shadow_checks_total); 0 turns it off",
+    )
+    verify_tokens: int = knob(16, help="generated tokens each shadow check scores")
 
     def __post_init__(self) -> None:
         if self.on_decode_failure not in ("migrate", "fail"):
@@ -81,6 +88,10 @@ class RouterPolicy:
             raise ValueError(f"decode_cache_slack must be >= 0, got {self.decode_cache_slack}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if not 0 <= self.verify_fraction <= 1:
+            raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
+        if self.verify_tokens < 1:
+            raise ValueError(f"verify_tokens must be >= 1, got {self.verify_tokens}")
         if self.local_prefill_below < 3:
             raise ValueError(
                 f"local_prefill_below {self.local_prefill_below}: at least 3 "
@@ -156,6 +167,7 @@ class Orchestrator:
         self._background: set[asyncio.Task[None]] = set()  # releases in flight
         # One batched token stream per decode actor for this router (router/feeds.py).
         self._feeds: dict[str, DecodeFeed] = {}
+        self.shadow = ShadowVerifier(policy.verify_fraction, policy.verify_tokens) if policy.verify_fraction else None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
@@ -165,7 +177,19 @@ class Orchestrator:
         first_leg: tuple[PrefillResult | None, float] | None = None  # the leg the timings describe
         migrations = 0
         decode_member: Member | None = None
-        current = request
+        shadowed = self.shadow is not None and self.shadow.wants(request)
+        served: list[float] = []  # the emitted tokens' logprobs, for the shadow check
+
+        def out(chunk: TokenChunk) -> TokenChunk:
+            if not shadowed:
+                return chunk
+            served.extend(emitted_logprobs(chunk))
+            return chunk if request.sampling.logprobs is not None else without_logprobs(chunk)
+
+        # A checked request asks the engines for its tokens' logprobs (the client sees none
+        # unless it asked).
+        legs = ShadowVerifier.instrumented(request) if shadowed else request
+        current = legs
         while True:
             # Engines see a fresh id per leg (prefill + decode, or a migration's resume):
             # clients' ids are theirs to repeat; they are kept for display and logs only.
@@ -179,7 +203,7 @@ class Orchestrator:
             if first is not None and first.finish_reason is not None:  # and it was the last
                 progress.add(first)
                 try:
-                    yield first
+                    yield out(first)
                 finally:
                     self._release_soon(handle)
                 break
@@ -196,7 +220,7 @@ class Orchestrator:
             decode_member = route.member
             try:
                 async for chunk in self._decode(decode_member, leg, handle, progress, first):
-                    yield chunk
+                    yield out(chunk)
                 break
             # The decode actor died, or went silent (stuck, or cut off from this router): out of
             # this router's rotation until a load poll reaches it again.
@@ -212,7 +236,7 @@ class Orchestrator:
                         f"decode actor {decode_member.name} failed while serving {request.request_id}: {err}"
                     ) from err
                 migrations += 1
-                current = request.continued(tuple(progress.token_ids))
+                current = legs.continued(tuple(progress.token_ids))
                 if current.sampling.max_tokens < 1:  # it died after the last token
                     progress.finish_reason = "length"
                     break
@@ -227,6 +251,12 @@ class Orchestrator:
             migrations=migrations,
             cached_tokens=progress.cached_tokens or 0,
         )
+        # Only a single P/D leg is checked: a migrated or locally prefilled stream has no one
+        # handoff to blame.
+        if shadowed and migrations == 0 and prefill is not None and decode_member is not None:
+            self.shadow.start(
+                legs, progress.token_ids, served, prefill_member.name, decode_member.name, decode_member.actor
+            )
         times = progress.token_times
         metrics.observe_request(result, [b - a for a, b in zip(times, times[1:])])
         if self.journal:

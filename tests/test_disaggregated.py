@@ -28,8 +28,10 @@ from reference import (
 )
 
 from kv_transfer.connector_config import TransferConfig
+from kv_transfer.layout import GroupKind
 from messages.errors import HandleExpiredError, InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
+from router.shadow_verification import ShadowVerifier, decode_on_handle, verify
 from vllm_engine.cpu_affinity import python_thread_ids
 from vllm_engine.sizing import DTYPE_BYTES, ssm_state_dtype
 
@@ -273,3 +275,73 @@ def test_expired_handle_is_refused_and_lease_frees_blocks(deployment):
     with pytest.raises(HandleExpiredError, match="expired"):
         run(decode_after(decode, result, make_request("long", "expire-dst")))
     assert_no_blocks_held(dep)
+
+
+SHADOW_STEPS = 16
+
+
+def test_a_shadow_check_agrees_with_a_true_handoff_and_catches_wrong_state(deployment, reference):
+    """Issue 32's shadow verification on real engines: the router recomputes a served request
+    colocated and agrees; a request decoded on another request's state (a stale handle) and
+    one whose DeltaNet state slots were corrupted on the producer both diverge."""
+    dep, orchestrator = deployment
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    orchestrator.shadow = ShadowVerifier(1.0, SHADOW_STEPS)  # every request, as --verify-fraction 1
+
+    async def served() -> list:
+        events = [event async for event in orchestrator.generate(make_request("long", "shadow-true"))]
+        await orchestrator.shadow.settled()
+        return events
+
+    try:
+        events = run(served())
+    finally:
+        verifier, orchestrator.shadow = orchestrator.shadow, None
+    assert_matches([t for chunk in events[:-1] for t in chunk.token_ids], reference["long"])
+    assert not any(chunk.logprobs for chunk in events[:-1]), "the client asked for no logprobs"
+    (verdict,) = verifier.verdicts
+    assert verdict.agrees and verdict.steps == SHADOW_STEPS, verdict
+    assert (verdict.prefill, verdict.decode) == ("prefill-0", "decode-0")
+
+    # A stale handle: X decoded on Y's state.
+    y_result = run(_prefill(prefill, make_request("y", "shadow-y", logprobs=0)))
+    x = make_request("x", "shadow-x", logprobs=0)
+    tokens, served_logprobs = run(decode_on_handle(decode, y_result, x))
+    stale = run(verify(decode, x, tokens[:SHADOW_STEPS], served_logprobs[:SHADOW_STEPS], "prefill-0", "decode-0"))
+
+    # Noise over the request's DeltaNet state slots on the producer, before decode reads them
+    # (a salt of its own keeps the corrupted blocks out of every other request's prefix hits).
+    corrupt = dataclasses.replace(make_request("x", "shadow-corrupt", logprobs=0), cache_salt="corrupted")
+    result = run(_prefill(prefill, corrupt))
+    layout = ray_get(prefill.state_layout.remote())
+    slots = [i for g, ids in zip(layout.groups, result.handle.block_ids) if g.kind is GroupKind.DELTANET for i in ids]
+    assert _corrupt_state_slots(prefill, slots) == [
+        2 * sum(g.num_layers for g in layout.groups if g.kind is GroupKind.DELTANET)
+    ]
+    tokens, served_logprobs = run(decode_on_handle(decode, result, corrupt))
+    broken = run(
+        verify(decode, corrupt, tokens[:SHADOW_STEPS], served_logprobs[:SHADOW_STEPS], "prefill-0", "decode-0")
+    )
+    print("shadow verdicts:", verdict, stale, broken, sep="\n")
+    assert not stale.agrees and not broken.agrees
+    assert_no_blocks_held(dep)
+
+
+def _corrupt_state_slots(actor, slots: list[int]) -> list[int]:
+    """Test hook: random values over the conv and temporal state of `slots` in every recurrent
+    layer of the engine (as a faulty copy or device would leave them); per rank, the tensors
+    it overwrote."""
+
+    def corrupt(worker, slots: list[int]) -> int:
+        import torch
+
+        index, overwritten = torch.tensor(slots), 0
+        for layer in worker.vllm_config.compilation_config.static_forward_context.values():
+            cache = getattr(layer, "kv_cache", None)
+            if isinstance(cache, tuple):  # a recurrent layer's: (conv, temporal); attention's is a tensor
+                for state in cache:
+                    state[index] = torch.randn_like(state[index])
+                    overwritten += 1
+        return overwritten
+
+    return ray_get(actor.__ray_call__.remote(lambda a: a._engine._engine.collective_rpc(corrupt, args=(slots,))))

@@ -233,6 +233,22 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
     )
 
 
+def test_pdserve_verify_checks_every_pair_of_the_controllers_pools(ray_cluster, controller):
+    """`pdserve verify`'s battery on the controller's live pools: every prefill/decode pair
+    hands off a short and a long prompt, cold and on a prefix hit, and each agrees with the
+    decode engine's colocated recompute."""
+    from cli.verify import VerifyConfig, battery
+
+    view = ray_cluster.get(controller.view.remote())
+    checks = run(battery(view, VerifyConfig(prompt_lengths=(16, 700), steps=8)))
+    pairs = {(p.name, d.name) for p in view.prefill for d in view.decode}
+    assert {(c.verdict.prefill, c.verdict.decode) for c in checks} == pairs
+    assert len(checks) == len(pairs) * 2 * 2
+    assert all(c.verdict.agrees and c.verdict.steps == 8 for c in checks), [c.row() for c in checks]
+    long_hits = [c.cached_tokens for c in checks if c.prompt_tokens == 700]
+    assert not any(long_hits[0::2]) and all(long_hits[1::2]), f"the second run hits the prefix cache: {long_hits}"
+
+
 def test_a_router_passes_a_resize_to_the_controller_and_its_refusal_back(routers):
     """Admin.ScalePools on any router reaches the controller; a refusal comes back as the
     controller's own words, not a Ray traceback."""
