@@ -211,13 +211,14 @@ def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
     async def scenario():
         streams = [await _open_stream(a_address, "short", f"bal-a-{i}", LONG) for i in range(3)]
         # Until the controller's view carries A's streams (a busy engine answers its load
-        # poll late), then one refresh of B's mirror (0.2 s).
+        # poll late), then B's mirror refreshes (every 0.2 s; under a loaded suite a refresh
+        # can take several times that: one full run saw B pick on a view without them).
         for _ in range(100):
             view = await controller.view.remote()
             if sum(m.load.running + m.load.waiting for m in view.decode if m.load) >= 3:
                 break
             await asyncio.sleep(0.2)
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.5)
         streams += [await _open_stream(b_address, "short", f"bal-b-{i}", LONG) for i in range(3)]
         view = await controller.view.remote()
         loads = [await m.actor.load.remote() for m in view.decode]
