@@ -109,21 +109,21 @@ def test_a_decode_leg_that_pulls_its_state_needs_the_attention_blocks_alone():
     assert index.cached_tokens(HASHES, 17, LAYOUT, state_pulled=True) == 3 * BLOCK
 
 
-def test_event_socket_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
+def test_engine_socket_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
     import os
     import subprocess
     import sys
     import tempfile
 
-    from vllm_engine.prefix_index import EventSockets
+    from vllm_engine.prefix_index import EngineSockets
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    stale = tmp_path / f"pdserve-kv-events-{dead.stdout.strip()}-abc"
+    stale = tmp_path / f"pdserve-engine-ipc-{dead.stdout.strip()}-abc"
     stale.mkdir()
-    mine = EventSockets.private()
-    assert not stale.exists() and os.path.basename(mine.directory).startswith(f"pdserve-kv-events-{os.getpid()}-")
-    again = EventSockets.private()  # a live process's directory stays
+    mine = EngineSockets.private()
+    assert not stale.exists() and os.path.basename(mine.directory).startswith(f"pdserve-engine-ipc-{os.getpid()}-")
+    again = EngineSockets.private()  # a live process's directory stays
     assert os.path.isdir(mine.directory) and os.stat(mine.directory).st_mode & 0o777 == 0o700
     for sockets in (mine, again):
         sockets.remove()

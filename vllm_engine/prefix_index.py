@@ -36,21 +36,22 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _POLL_MS = 100
-_PREFIX = "pdserve-kv-events-"
+_PREFIX = "pdserve-engine-ipc-"
 # A block's hash as vLLM's events carry it: the low 64 bits as an int by default
 # (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else the whole digest.
 BlockKey = bytes | int
 
 
 @dataclass(frozen=True, slots=True)
-class EventSockets:
-    """Where one engine publishes its KV cache events: IPC paths in a directory only this
-    user can enter."""
+class EngineSockets:
+    """One engine's IPC paths, in a directory only this user can enter: its KV cache events,
+    and vLLM's own sockets (VLLM_RPC_BASE_PATH: AsyncLLM's engine core, TP ranks), which vLLM
+    would otherwise leave in /tmp when the engine is killed."""
 
     directory: str
 
     @classmethod
-    def private(cls) -> "EventSockets":
+    def private(cls) -> "EngineSockets":
         """A fresh directory (mode 0700) named for this process; those of processes that died
         without removing theirs (a killed actor) go first."""
         for stale in glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*")):
@@ -66,6 +67,9 @@ class EventSockets:
     @property
     def replay_endpoint(self) -> str:
         return f"ipc://{os.path.join(self.directory, 'replay')}"
+
+    def process_env(self) -> dict[str, str]:
+        return {"VLLM_RPC_BASE_PATH": self.directory}
 
     def kv_events_config(self) -> "KVEventsConfig":
         from vllm.config.kv_events import KVEventsConfig
@@ -135,7 +139,7 @@ class PrefixIndex:
 class EventSubscriber:
     """Reads one engine's event stream into a `PrefixIndex` on a thread of its own."""
 
-    def __init__(self, sockets: EventSockets, index: PrefixIndex) -> None:
+    def __init__(self, sockets: EngineSockets, index: PrefixIndex) -> None:
         self._sockets = sockets
         self._index = index
         self._running = True

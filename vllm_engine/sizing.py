@@ -335,7 +335,6 @@ class SizingInputs:
     prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")  # hybrids: align mode
 
 
-
 @dataclass(frozen=True, slots=True)
 class EnginePlan:
     """What one engine holds; `*_per_rank` figures are one GPU's (or CPU engine's) share."""

@@ -22,7 +22,7 @@ from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, exit_for_restart, start_engine
 from vllm_engine.metrics import EngineStatLogger
-from vllm_engine.prefix_index import EventSockets, EventSubscriber, PrefixIndex, block_hashes
+from vllm_engine.prefix_index import EngineSockets, EventSubscriber, PrefixIndex, block_hashes
 
 
 class EngineWorker:
@@ -48,15 +48,20 @@ class EngineWorker:
         self._config = engine_config
         self._transfer = transfer
         self._probe: ProbeSource | None = None
+        self._sockets = EngineSockets.private()
         # Its KV cache events feed the prefix index routers ask (vllm_engine.prefix_index).
-        self._events = EventSockets.private() if engine_config.enable_prefix_caching else None
-        events_config = self._events.kv_events_config() if self._events else None
+        caching = engine_config.enable_prefix_caching
+        events_config = self._sockets.kv_events_config() if caching else None
         if transfer is None:
             if self.connector_role is not Role.DECODE:
                 raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
             self.engine_id = f"colocated-{name}"
             self._engine = start_engine(
-                engine_config, on_fatal=on_fatal, stat_loggers=[EngineStatLogger], kv_events_config=events_config
+                engine_config,
+                env=self._sockets.process_env(),
+                on_fatal=on_fatal,
+                stat_loggers=[EngineStatLogger],
+                kv_events_config=events_config,
             )
             self._producer = self._consumer = None
         else:
@@ -65,7 +70,7 @@ class EngineWorker:
             self._engine = start_engine(
                 engine_config,
                 connector.kv_transfer_config(),
-                connector.process_env(),
+                {**connector.process_env(), **self._sockets.process_env()},
                 on_fatal,
                 [EngineStatLogger],
                 events_config,
@@ -74,9 +79,9 @@ class EngineWorker:
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
         self._layout: StateLayout | None = None
-        if self._events is not None:
+        if caching:
             self._prefix_index = PrefixIndex()
-            self._subscriber = EventSubscriber(self._events, self._prefix_index)
+            self._subscriber = EventSubscriber(self._sockets, self._prefix_index)
 
     def ready(self) -> str:
         return self.engine_id
@@ -159,9 +164,9 @@ class EngineWorker:
 
     def shutdown(self) -> None:
         self._engine.shutdown()
-        if self._events is not None:
+        if self._prefix_index is not None:
             self._subscriber.stop()
-            self._events.remove()
+        self._sockets.remove()
 
 
 class InRayActor(EngineWorker):
