@@ -101,15 +101,17 @@ class LocalStack:
         self._say(f"serving pdserve.v1.Generation on {self.server.address}")
         return self
 
-    async def stop(self, grace_s: float = 0) -> None:
-        """Stop serving, then every engine of the deployment."""
+    async def stop(self, grace_s: float = 0, engines: bool = True) -> None:
+        """Stop serving, then every engine of the deployment (`engines` False: the engines
+        stay up for other fronts that share the deployment)."""
         try:
             if self.http is not None:
                 await self.http.stop()
             if self.server is not None:
                 await self.server.stop(grace_s)
         finally:
-            self.deployment.shutdown()
+            if engines:
+                self.deployment.shutdown()
 
     async def __aenter__(self) -> "LocalStack":
         return await self.start()

@@ -80,6 +80,22 @@ def colocated_engine(ray_cluster, engine_config) -> Any:
 
 
 @pytest.fixture(scope="session")
+def shared_deployment(ray_cluster, engine_config) -> Any:
+    """One 1P+1D deployment of the default engines (JSON without free whitespace, as the
+    colocated engine's) for the modules that serve through fronts of their own and leave the
+    engines as they found them (an engine start costs about 15 s on the test box). A module
+    that kills an engine or needs other settings starts its own deployment."""
+    import dataclasses
+
+    from controller.deployment import Deployment, DeploymentConfig
+
+    dep = Deployment(DeploymentConfig(engine=dataclasses.replace(engine_config, disable_any_whitespace=True)))
+    run(dep.start())
+    yield dep
+    dep.shutdown()
+
+
+@pytest.fixture(scope="session")
 def reference(colocated_engine) -> dict[str, Any]:
     """Colocated outputs: same engine configuration, no connector, prefill and decode local."""
     from reference import PROMPTS, reference_runs
@@ -135,7 +151,8 @@ class ServedStack:
 
         self.dep = dep
         self.credentials = credentials or ClientCredentials()
-        if dep.orchestrator is None:
+        self._owns_engines = dep.orchestrator is None  # else a deployment the caller shares
+        if self._owns_engines:
             run(dep.start())
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -162,7 +179,7 @@ class ServedStack:
         return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self.stack.stop(), self.loop).result()
+        asyncio.run_coroutine_threadsafe(self.stack.stop(engines=self._owns_engines), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
 

@@ -142,8 +142,10 @@ async def reference_run(actor, request) -> Reference:
     return Reference(tokens, margins)
 
 
-async def reference_runs(actor, names: list[str], prefix: str) -> dict[str, Reference]:
+async def reference_runs(actor, names: list[str], prefix: str, cache_salt: str = "") -> dict[str, Reference]:
     """The named prompts' references, run at once (one batch): a comparison stops at the
-    first near-tie, where batch shape cannot change a choice."""
-    runs = [reference_run(actor, make_request(name, f"{prefix}-{name}", logprobs=2)) for name in names]
+    first near-tie, where batch shape cannot change a choice. `cache_salt`: blocks no other
+    request shares (a P/D engine serving its own reference)."""
+    requests = [make_request(name, f"{prefix}-{name}", logprobs=2) for name in names]
+    runs = [reference_run(actor, dataclasses.replace(r, cache_salt=cache_salt)) for r in requests]
     return dict(zip(names, await asyncio.gather(*runs)))

@@ -283,10 +283,10 @@ def test_only_prefill_actor_killed_under_load_fails_no_request(door):
     assert_no_blocks_held(door.dep, timeout_s=35)
 
 
-def test_drain_lets_live_streams_finish_and_refuses_new_ones(ray_cluster, engine_config, model_path):
+def test_drain_lets_live_streams_finish_and_refuses_new_ones(shared_deployment, model_path):
     """What `pdserve serve` does on SIGTERM: health NOT_SERVING, new requests UNAVAILABLE,
-    the 10 live streams finish, then the server stops."""
-    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
+    the 10 live streams finish, then the server stops (the engines are the session's)."""
+    served = ServedStack(shared_deployment, model_path)
     try:
 
         async def scenario(channel):
@@ -307,8 +307,7 @@ def test_drain_lets_live_streams_finish_and_refuses_new_ones(ray_cluster, engine
         assert drained and [len(tokens) for tokens, _, _ in results] == [48] * 10
         assert all(final.finish_reason == "length" for _, _, final in results)
     finally:
-        served.dep.shutdown()
-        served.loop.call_soon_threadsafe(served.loop.stop)
+        served.close()
 
 
 def _hostile_requests():

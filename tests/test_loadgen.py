@@ -206,12 +206,10 @@ def test_only_loopback_targets():
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, engine_config, model_path):
+def server(shared_deployment, model_path):
     from conftest import ServedStack
 
-    from controller.deployment import Deployment, DeploymentConfig
-
-    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path, http_model="loadgen")
+    served = ServedStack(shared_deployment, model_path, http_model="loadgen")
     try:
         yield served.server, served.loop, served.http
     finally:

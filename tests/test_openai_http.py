@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import subprocess
 import sys
@@ -13,25 +12,19 @@ import openai
 import pytest
 from conftest import ServedStack, _engines_idle, assert_no_blocks_held, wait_until
 
-from controller.deployment import Deployment, DeploymentConfig
 
 MODEL = "pdserve-embedded"
 PROMPT = "Prefill processes the prompt and creates state; decode consumes that state"
 
 
 @pytest.fixture(scope="module")
-def engines(engine_config):
-    """JSON outputs without free whitespace (openai_cases.STAGE_SCHEMA says why)."""
-    return dataclasses.replace(engine_config, disable_any_whitespace=True)
-
-
-@pytest.fixture(scope="module")
-def served(ray_cluster, engines, model_path, colocated):
-    # After the colocated references: one set of engines at a time on the test box's cores.
+def served(shared_deployment, model_path, colocated):
+    """The session's 1P+1D (JSON outputs without free whitespace: openai_cases.STAGE_SCHEMA
+    says why) behind the OpenAI front."""
     from router.chat_parsing import ChatParsers
 
     chat = ChatParsers(tool_call_parser="hermes", enable_auto_tool_choice=True)
-    stack = ServedStack(Deployment(DeploymentConfig(engine=engines)), model_path, http_model=MODEL, chat=chat)
+    stack = ServedStack(shared_deployment, model_path, http_model=MODEL, chat=chat)
     yield stack
     stack.close()
 

@@ -1,5 +1,6 @@
-"""Prefix caching through P/D on the embedded hybrid (vLLM's align mode): 2P+1D with caching on
-in both pools against a colocated engine with no cache at all, token for token; what each
+"""Prefix caching through P/D on the embedded hybrid (vLLM's align mode): 2P+2D with caching on
+in both pools against a colocated engine computing every prompt whole (each reference request
+under a cache salt of its own), token for token; what each
 engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved) and where
 the router sent each prompt (the prefill engine that said it holds the prefix).
 
@@ -67,14 +68,10 @@ def _clear(token: int, position) -> bool:
 
 
 @pytest.fixture(scope="module")
-def colocated(ray_cluster, engine_config):
-    """A colocated engine with prefix caching off: the reference."""
-    from decode_worker.actor import DecodeActor
-
-    config = dataclasses.replace(engine_config, enable_prefix_caching=False).with_cores("1")
-    actor = DecodeActor.remote("colocated-uncached", config, None)
-    yield actor
-    ray.kill(actor, no_restart=True)
+def colocated(colocated_engine):
+    """The reference: the session's colocated engine, each request under a cache salt no other
+    request carries, so it computes its whole prompt as an engine without a cache does."""
+    return colocated_engine
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +87,7 @@ def cases(colocated, block) -> dict[str, Case]:
     one prefill: each lesson token is clear where it is the model's first choice given the
     lesson before it, by at least NEAR_TIE_NATS (what a greedy run along the lesson finds)."""
     lesson = _lesson()[:SCAN_TOKENS]
-    scan = GenerateRequest("scan", lesson, SamplingConfig(max_tokens=1, prompt_logprobs=2))
+    scan = GenerateRequest("scan", lesson, SamplingConfig(max_tokens=1, prompt_logprobs=2), cache_salt="uncached-scan")
     chunks = run(_chunks(colocated, scan))
     positions = chunks[0].prompt_logprobs
     assert len(positions) == len(lesson), (len(positions), len(lesson))
@@ -138,7 +135,8 @@ def cases(colocated, block) -> dict[str, Case]:
 @pytest.fixture(scope="module")
 def uncached(colocated, cases) -> dict[str, Reference]:
     return {
-        name: run(reference_run(colocated, case.request(f"ref-{name}", logprobs=2))) for name, case in cases.items()
+        name: run(reference_run(colocated, case.request(f"ref-{name}", logprobs=2, cache_salt=f"uncached-{name}")))
+        for name, case in cases.items()
     }
 
 

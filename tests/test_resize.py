@@ -6,16 +6,13 @@ import pytest
 from conftest import assert_no_blocks_held, run
 from reference import MAX_TOKENS, assert_matches, collect, make_request
 
-from controller.deployment import Deployment, DeploymentConfig
 from messages.membership import ScalingDecision
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_cluster, engine_config, reference):
-    dep = Deployment(DeploymentConfig(engine=engine_config))
-    run(dep.start())
-    yield dep
-    dep.shutdown()
+def deployment(shared_deployment, reference):
+    """The session's 1P+1D: grown to 1P+2D and shrunk back."""
+    return shared_deployment
 
 
 def test_grow_then_shrink_decode_pool_under_traffic(deployment, reference):

@@ -40,23 +40,23 @@ def _deployment_from_flags(model_path: str, *flags: str) -> DeploymentConfig:
 
 
 @pytest.fixture(scope="module")
-def reference_tp2(ray_cluster, engine_config):
-    from decode_worker.actor import DecodeActor
-
-    actor = DecodeActor.remote("colocated-tp2", engine_config.sized(TP2).with_cores("0|1"), None)
-    try:
-        return run(reference_runs(actor, ["short", "over_one_block", "long", "x", "y_tp2"], "ref2"))
-    finally:
-        ray.kill(actor, no_restart=True)
-
-
-@pytest.fixture(scope="module")
-def served_tp2(ray_cluster, model_path, reference_tp2):
+def served_tp2(ray_cluster, model_path):
     config = _deployment_from_flags(model_path, "--prefill-tp", "2", "--decode-tp", "2")
     assert config.role_engine("prefill").tensor_parallel_size == config.role_engine("decode").tensor_parallel_size == 2
     served = ServedStack(Deployment(config), model_path)
     yield served
     served.close()
+
+
+@pytest.fixture(scope="module")
+def reference_tp2(served_tp2):
+    """Colocated at TP 2: the decode engine serving the prompts alone, without a handle (an
+    engine of its own would cost three more processes), under a cache salt no P/D request
+    carries."""
+    decode = served_tp2.dep.decode.members[0].actor
+    references = run(reference_runs(decode, ["short", "over_one_block", "long", "x", "y_tp2"], "ref2", "colocated"))
+    assert_no_blocks_held(served_tp2.dep)
+    return references
 
 
 @pytest.mark.parametrize("name", ["short", "over_one_block", "long"])
