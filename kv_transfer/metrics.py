@@ -1,7 +1,7 @@
 """Prometheus metrics of the transfer layer, exported by each worker process.
 
 Per-transfer duration, bytes, descriptor count and failures come from vLLM's NixlConnector
-statistics (delivered each engine step to the engine's stat logger, vllm_engine.metrics); the split into
+statistics (delivered each engine step to the engine's stat logger, vllm_engine.stat_logger); the split into
 attention KV and DeltaNet state bytes comes from our handle accounting; leases are counted
 by the prefill worker (granted) and by vLLM (expired).
 """

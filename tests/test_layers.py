@@ -99,3 +99,11 @@ def test_messages_import_no_engine_or_cluster_packages():
 def test_the_routers_request_path_imports_no_vllm():
     routers = "router.server, router.orchestrator, router.openai_http, router.actor, router.tier, router.mirror"
     assert not packages_loaded_by(routers) & {"vllm", "torch"}
+
+
+def test_the_control_plane_loads_the_worker_classes_without_vllm():
+    """Ray imports an actor's class wherever its handle arrives: routers and the controller
+    import the worker modules, and an engine's packages there would cost each of them seconds
+    of start-up (vLLM and torch: about 7 s on the test box) and hundreds of MB."""
+    workers = "decode_worker.actor, prefill_worker.actor, decode_worker.either_role, controller.actor"
+    assert not packages_loaded_by(workers) & {"vllm", "torch", "transformers"}

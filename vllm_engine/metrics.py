@@ -1,13 +1,10 @@
-"""Prometheus metrics of the engine itself, exported with the worker's (kv_transfer.metrics)."""
+"""Prometheus metrics of the engine itself, exported with the worker's (kv_transfer.metrics);
+vllm_engine.stat_logger fills them from vLLM's stats."""
 
 from __future__ import annotations
 
-from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
-from vllm.v1.metrics.loggers import StatLoggerBase
-
-from kv_transfer.metrics import observe_connector_stats
 
 # CPU time of the thread that runs the engine's steps (scheduling, forward, output
 # processing). Beside the process's CPU it shows what serving costs outside the engine.
@@ -20,34 +17,6 @@ PROMPT_TOKENS = Counter(
     "Prompt tokens by where the engine got them: computed, its prefix cache, or pulled from a producer",
     ["source"],
 )
-
-
-class EngineStatLogger(StatLoggerBase):
-    """What vLLM hands its stat loggers each step, as our metrics: the prompt-token breakdown,
-    and the KV connector's transfer statistics where the engine has a connector."""
-
-    def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-        pass
-
-    def record(
-        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-    ) -> None:
-        connector = getattr(scheduler_stats, "kv_connector_stats", None)
-        if connector:
-            observe_connector_stats(connector)
-        stats = getattr(iteration_stats, "prompt_token_stats", None)
-        if stats is None:
-            return
-        for source, count in (
-            ("computed", stats.computed),
-            ("local_cache_hit", stats.local_cache_hit),
-            ("pulled", stats.external_kv_transfer),
-        ):
-            if count:
-                PROMPT_TOKENS.labels(source).inc(count)
-
-    def log_engine_initialized(self) -> None:
-        pass
 
 
 PREFIX_INDEX_BLOCKS = Gauge(

@@ -21,7 +21,6 @@ from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, exit_for_restart, start_engine
-from vllm_engine.metrics import EngineStatLogger
 from vllm_engine.prefix_index import EngineSockets, EventSubscriber, PrefixIndex, block_hashes
 
 
@@ -60,7 +59,7 @@ class EngineWorker:
                 engine_config,
                 env=self._sockets.process_env(),
                 on_fatal=on_fatal,
-                stat_loggers=[EngineStatLogger],
+                stat_loggers=_stat_loggers(),
                 kv_events_config=events_config,
             )
             self._producer = self._consumer = None
@@ -72,7 +71,7 @@ class EngineWorker:
                 connector.kv_transfer_config(),
                 {**connector.process_env(), **self._sockets.process_env()},
                 on_fatal,
-                [EngineStatLogger],
+                _stat_loggers(),
                 events_config,
             )
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
@@ -182,3 +181,11 @@ class InRayActor(EngineWorker):
 def worker_actor(cls: type) -> Any:
     """`cls` as the Ray actor class every worker role is deployed as."""
     return ray.remote(num_cpus=0, max_concurrency=1000)(cls)
+
+
+def _stat_loggers() -> list[type]:
+    """Imported here, where an engine starts: routers and the controller import this module
+    for the worker actor classes and would otherwise load vLLM and torch for nothing."""
+    from vllm_engine.stat_logger import EngineStatLogger
+
+    return [EngineStatLogger]
