@@ -19,7 +19,11 @@ from controller.deployment import Deployment, DeploymentConfig
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, engine_config, reference):
-    gpu_default = dataclasses.replace(engine_config, engine_path="async", enforce_eager=False)
+    # A 2,048-token step budget (the default 8,192 prompts fit in 1,100): vLLM's warm-up runs
+    # a step of the whole budget through the compiled model, 10 s of the start here.
+    gpu_default = dataclasses.replace(
+        engine_config, engine_path="async", enforce_eager=False, max_num_batched_tokens=2048
+    )
     dep = Deployment(DeploymentConfig(engine=gpu_default))
     orchestrator = run(dep.start())
     yield dep, orchestrator
