@@ -18,7 +18,7 @@ from messages.errors import EngineDeadError
 from messages.reports import EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import prepare_process
+from vllm_engine.engine import EngineWiring, model_limits, prepare_process
 from vllm_engine.sampling import as_invalid_request
 
 if TYPE_CHECKING:
@@ -72,32 +72,20 @@ class AsyncEngine:
         self._total_blocks = (llm.vllm_config.cache_config.num_gpu_blocks or 1) - 1
 
     @classmethod
-    def start(
-        cls,
-        config: EngineConfig,
-        kv_transfer_config: Any = None,
-        env: dict[str, str] | None = None,
-        on_fatal: Callable[[BaseException], None] | None = None,
-        stat_loggers: list[Any] | None = None,
-        kv_events_config: Any = None,
-    ) -> "AsyncEngine":
-        prepare_process(config, env)
+    def start(cls, config: EngineConfig, wiring: EngineWiring) -> "AsyncEngine":
+        prepare_process(config, wiring.env)
         from vllm.v1.engine.async_llm import AsyncLLM
 
         args = config.engine_args(
-            kv_transfer_config, kv_events_config, worker_extension_cls=f"{__name__}.LayoutReporter"
+            wiring.kv_transfer_config, wiring.kv_events_config, worker_extension_cls=f"{__name__}.LayoutReporter"
         )
         stats = _LatestSchedulerStats()
-        llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *(stat_loggers or [])])
-        return cls(llm, stats, on_fatal)
+        llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *wiring.stat_loggers])
+        return cls(llm, stats, wiring.on_fatal)
 
     @property
     def limits(self) -> ModelLimits:
-        from vllm.platforms import current_platform
-
-        model_config = self._llm.vllm_config.model_config
-        hybrid_on_cpu = current_platform.is_cpu() and model_config.is_hybrid
-        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
+        return model_limits(self._llm.vllm_config)
 
     @property
     def prefill_backoff(self) -> int:

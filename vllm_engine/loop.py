@@ -22,7 +22,7 @@ from messages.reports import EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_python_threads, parse_cores
-from vllm_engine.engine import prepare_process
+from vllm_engine.engine import EngineWiring, model_limits, prepare_process
 from vllm_engine.metrics import ENGINE_STEP_CPU
 from vllm_engine.sampling import as_invalid_request
 
@@ -83,35 +83,24 @@ class EngineLoop:
         self._thread.start()
 
     @classmethod
-    def start(
-        cls,
-        config: EngineConfig,
-        kv_transfer_config: Any = None,
-        env: dict[str, str] | None = None,
-        on_fatal: Callable[[BaseException], None] | None = None,
-        stat_loggers: list[Any] | None = None,
-        kv_events_config: Any = None,
-    ) -> "EngineLoop":
+    def start(cls, config: EngineConfig, wiring: EngineWiring) -> "EngineLoop":
         """Build the engine in this process (TP ranks, if any, are processes vLLM spawns)."""
-        prepare_process(config, env)
+        prepare_process(config, wiring.env)
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(
-            config.engine_args(kv_transfer_config, kv_events_config), stat_loggers=stat_loggers
+            config.engine_args(wiring.kv_transfer_config, wiring.kv_events_config),
+            stat_loggers=list(wiring.stat_loggers),
         )
         if config.cpu_cores is not None and config.device == "cpu":
             # The loop thread starts from here: Python threads share the engine's cores (with
             # TP > 1 this process only schedules; the ranks run the forward on their own).
             confine_python_threads(parse_cores(cores_of(config.cpu_cores)))
-        return cls(engine, on_fatal)
+        return cls(engine, wiring.on_fatal)
 
     @property
     def limits(self) -> ModelLimits:
-        from vllm.platforms import current_platform
-
-        model_config = self._engine.model_config
-        hybrid_on_cpu = current_platform.is_cpu() and self._engine.vllm_config.model_config.is_hybrid
-        return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
+        return model_limits(self._engine.vllm_config)
 
     @property
     def prefill_backoff(self) -> int:

@@ -10,7 +10,6 @@ built deterministically on first use and cached beside the embedded model.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import shutil
@@ -19,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm_engine.embedded_model import ensure_embedded_model
-from vllm_engine.embedded_model.build import default_cache_dir
+from vllm_engine.embedded_model.build import build_once, default_cache_dir
 from vllm_engine.embedded_model.texts import EOS_ID
 
 # Bumped whenever a recipe changes so stale cache entries are never reused.
@@ -135,22 +134,15 @@ def ensure_tiny_model(name: str, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"unknown tiny model {name!r}: choose one of {', '.join(TINY_MODELS)}")
     spec = TINY_MODELS[name]
     cache_dir = cache_dir or default_cache_dir()
-    target = cache_dir / f"tiny-{name}-{spec.fingerprint()}"
-    if (target / "config.json").exists():
-        return target
     tokenizer = ensure_embedded_model(cache_dir=cache_dir)
-    with open(cache_dir / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if (target / "config.json").exists():
-            return target
-        staging = cache_dir / f".{target.name}.staging"
-        shutil.rmtree(staging, ignore_errors=True)
+
+    def build(staging: Path) -> None:
         _build(spec, staging)
         for item in tokenizer.iterdir():
             if item.name.startswith("tokenizer") or item.name == "chat_template.jinja":
                 shutil.copy(item, staging / item.name)
-        staging.rename(target)
-    return target
+
+    return build_once(cache_dir / f"tiny-{name}-{spec.fingerprint()}", build)
 
 
 def _build(spec: TinyModel, out: Path) -> None:

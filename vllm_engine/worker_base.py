@@ -20,7 +20,7 @@ from kv_transfer.producer import TransferProducer
 from messages.reports import EngineCapacity, EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import Engine, exit_for_restart, start_engine
+from vllm_engine.engine import Engine, EngineWiring, exit_for_restart, start_engine
 from vllm_engine.prefix_index import EngineSockets, EventSubscriber, PrefixIndex, block_hashes
 
 
@@ -55,25 +55,25 @@ class EngineWorker:
             if self.connector_role is not Role.DECODE:
                 raise ValueError(f"a {self.connector_role.name.lower()} worker needs a TransferConfig")
             self.engine_id = f"colocated-{name}"
-            self._engine = start_engine(
-                engine_config,
+            wiring = EngineWiring(
                 env=self._sockets.process_env(),
                 on_fatal=on_fatal,
                 stat_loggers=_stat_loggers(),
                 kv_events_config=events_config,
             )
+            self._engine = start_engine(engine_config, wiring)
             self._producer = self._consumer = None
         else:
             connector = Connector.for_worker(self.connector_role, name, transfer, host)
             self.engine_id = connector.engine_id
-            self._engine = start_engine(
-                engine_config,
+            wiring = EngineWiring(
                 connector.kv_transfer_config(),
                 {**connector.process_env(), **self._sockets.process_env()},
                 on_fatal,
                 _stat_loggers(),
                 events_config,
             )
+            self._engine = start_engine(engine_config, wiring)
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
@@ -183,9 +183,9 @@ def worker_actor(cls: type) -> Any:
     return ray.remote(num_cpus=0, max_concurrency=1000)(cls)
 
 
-def _stat_loggers() -> list[type]:
+def _stat_loggers() -> tuple[type, ...]:
     """Imported here, where an engine starts: routers and the controller import this module
     for the worker actor classes and would otherwise load vLLM and torch for nothing."""
     from vllm_engine.stat_logger import EngineStatLogger
 
-    return [EngineStatLogger]
+    return (EngineStatLogger,)

@@ -17,6 +17,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from vllm_engine.embedded_model.texts import EOS_ID, EOS_TOKEN, corpus_bytes, prose_documents, token_stream
 from vllm_engine.embedded_model.train import TrainingRecipe, train
@@ -70,20 +71,25 @@ def ensure_embedded_model(spec: EmbeddedModelSpec = EmbeddedModelSpec(), cache_d
     Safe to call from many processes at once: a file lock serialises the build and the
     directory appears atomically (built under a temporary name, then renamed).
     """
-    cache_dir = cache_dir or default_cache_dir()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"tiny-qwen3_5-{spec.fingerprint()}"
+    target = (cache_dir or default_cache_dir()) / f"tiny-qwen3_5-{spec.fingerprint()}"
+    return build_once(target, lambda staging: (_build_tokenizer(spec, staging), _build_model(spec, staging)))
+
+
+def build_once(target: Path, build: Callable[[Path], object]) -> Path:
+    """`target`, made by `build(staging directory)` first if it is missing. Safe from many
+    processes at once: a file lock serialises the builds and the directory appears whole
+    (built under a temporary name, then renamed)."""
     if (target / "config.json").exists():
         return target
-    with open(cache_dir / ".build.lock", "w") as lock:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if (target / "config.json").exists():
             return target
-        staging = cache_dir / f".{target.name}.staging"
+        staging = target.parent / f".{target.name}.staging"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
-        _build_tokenizer(spec, staging)
-        _build_model(spec, staging)
+        build(staging)
         staging.rename(target)
     return target
 
