@@ -153,6 +153,11 @@ def test_soak_with_cancellations_and_a_kill(recompute_policy):
     actor killed mid-run, bounded in count and time. Afterwards no engine holds a block and
     every stream ended with its tokens or a clean error."""
     dep, orchestrator = recompute_policy
+    # The module's kills restarted engines, and a deployment without a router polls no health
+    # on its own: every engine answers and is handshaken again before the load.
+    assert wait_until(lambda: all(_answers(m.actor) for m in dep.prefill.members + dep.decode.members), 90)
+    run(dep.health.refresh(poll_timeout_s=5))
+    assert all(m.live for m in dep.prefill.members + dep.decode.members)
     rng = random.Random(7)
     outcomes: dict[str, int] = {"completed": 0, "cancelled": 0, "clean_error": 0}
     slots = asyncio.Semaphore(SOAK_CONCURRENCY)
