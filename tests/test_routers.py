@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 import uuid
 
 import grpc
@@ -67,33 +66,23 @@ def _settings(model_path: str):  # noqa: ANN202
 
 
 def _routers(controller, model_path, *names):
-    """Routers started at once (each loads its tokenizer and imports in its own process),
-    once they hold a share of admission: a router joining a busy tier gets what the others
-    leave, which their next views (every 0.2 s) free."""
+    """Routers started at once (each loads its tokenizer and imports in its own process)."""
     import ray
 
     from router.actor import RouterActor
 
     actors = [RouterActor.remote(name, controller, _settings(model_path)) for name in names]
-    made = [(actor, addresses.grpc) for actor, addresses in zip(actors, ray.get([a.serve.remote() for a in actors]))]
-    time.sleep(1.5)
-    return made
+    return [(actor, addresses.grpc) for actor, addresses in zip(actors, ray.get([a.serve.remote() for a in actors]))]
 
 
-def _leave(ray_cluster, controller, made, names) -> None:
-    for (actor, _), name in zip(made, names):
-        ray_cluster.kill(actor, no_restart=True)
-        ray_cluster.get(controller.router_left.remote(name))  # its admission share is free at once
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def routers(ray_cluster, controller, model_path):
-    """Two routers for the module's tests (each start loads a tokenizer and imports: they
-    are shared); a test that kills a router starts its own."""
     names = ("router-a", "router-b")
     made = _routers(controller, model_path, *names)
     yield made
-    _leave(ray_cluster, controller, made, names)
+    for (actor, _), name in zip(made, names):
+        ray_cluster.kill(actor, no_restart=True)
+        ray_cluster.get(controller.router_left.remote(name))  # its admission share is free at once
 
 
 def test_a_grpc_router_tokenizes_as_transformers_does(model_path):
@@ -146,50 +135,6 @@ async def _open_stream(address: str, prompt: str, request_id: str, max_tokens: i
     return call, asyncio.ensure_future(rest())
 
 
-def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path):
-    """Admission is the tier's: 4 routers on one port (connections spread by SO_REUSEPORT)
-    with --max-in-flight 8 --max-queue 4 take at most 12 requests of a 60-request burst
-    (each router applying the limits alone would take up to 48), and every one they take
-    completes. Each request holds its slot for far longer than the burst takes to arrive.
-    First in the module: the shared routers' grants would count against this tier's limits."""
-    import dataclasses
-
-    from router.server import FrontDoorConfig
-    from router.tier import RouterTier
-
-    limit = 8 + 4
-    settings = dataclasses.replace(_settings(model_path), front=FrontDoorConfig(max_in_flight=8, max_queue=4))
-
-    async def one(address: str, i: int) -> str:
-        # A connection of its own (gRPC otherwise shares one among channels to one address).
-        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
-            request = build_request(list(PROMPTS["short"]), f"burst-{i}", max_tokens=160, ignore_eos=True)
-            try:
-                tokens, _, final = await stream_tokens(channel, request, timeout_s=120)
-            except grpc.aio.AioRpcError as err:
-                return err.code().name
-            return "OK" if len(tokens) == 160 and final.finish_reason == "length" else "SHORT"
-
-    async def scenario() -> list[str]:
-        tier = RouterTier(controller, settings)
-        try:
-            addresses = await tier.start(4)
-            # SO_REUSEPORT: one address, four router processes behind it.
-            assert len({a.grpc for a in addresses}) == 1, addresses
-            assert len({await actor.pid.remote() for actor, _ in tier.routers.values()}) == 4
-            address = addresses[0].grpc
-            await asyncio.sleep(2)  # a few view intervals: the routers' shares settle
-            return await asyncio.gather(*(one(address, i) for i in range(60)))
-        finally:
-            await tier.drain(30)
-
-    outcomes = run(scenario())
-    taken = len(outcomes) - outcomes.count("RESOURCE_EXHAUSTED")
-    print(f"taken {taken} of 60 (tier limit {limit}, overshoot {taken / limit - 1:+.0%}):", sorted(set(outcomes)))
-    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
-    assert limit // 2 <= taken <= limit * 1.1, outcomes
-
-
 def test_streams_through_both_routers_equal_the_reference(routers, reference):
     names = ["short", "over_one_block", "x", "y"]
 
@@ -211,28 +156,7 @@ def test_streams_through_both_routers_equal_the_reference(routers, reference):
 def test_killing_a_router_mid_stream_leaves_the_other_and_frees_its_blocks(
     ray_cluster, controller, routers, reference, model_path
 ):
-    ((victim, victim_address),) = _routers(controller, model_path, "router-c")
-    try:
-        _kill_a_router_mid_stream(ray_cluster, controller, victim, victim_address, routers[1][1], reference)
-    finally:
-        _leave(ray_cluster, controller, [(victim, victim_address)], ["router-c"])
-
-    ((newcomer, address),) = _routers(controller, model_path, "router-d")  # a new router joins
-    try:
-
-        async def through_newcomer():
-            async with grpc.aio.insecure_channel(address) as channel:
-                request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
-                return await stream_tokens(channel, request)
-
-        tokens, _, final = run(through_newcomer())
-        assert tokens == reference["short"].tokens[:8] or len(tokens) == 8
-        assert final.finish_reason == "length"
-    finally:
-        _leave(ray_cluster, controller, [(newcomer, address)], ["router-d"])
-
-
-def _kill_a_router_mid_stream(ray_cluster, controller, victim, victim_address, survivor_address, reference) -> None:
+    (victim, victim_address), (survivor, survivor_address) = routers
     before = ray_cluster.get(controller.view.remote())
     survivor_tokens = 150
 
@@ -261,6 +185,20 @@ def _kill_a_router_mid_stream(ray_cluster, controller, victim, victim_address, s
         (m.name, m.load.engine_id) for m in before.prefill + before.decode
     ]  # same engines, none restarted: no router owns them
     assert all(m.lifecycle is Lifecycle.LIVE for m in after.prefill + after.decode)
+
+    ((newcomer, address),) = _routers(controller, model_path, "router-c")  # a new router joins
+    try:
+
+        async def through_newcomer():
+            async with grpc.aio.insecure_channel(address) as channel:
+                request = build_request(list(PROMPTS["short"]), "joined", max_tokens=8, ignore_eos=True)
+                return await stream_tokens(channel, request)
+
+        tokens, _, final = run(through_newcomer())
+        assert tokens == reference["short"].tokens[:8] or len(tokens) == 8
+        assert final.finish_reason == "length"
+    finally:
+        ray_cluster.kill(newcomer, no_restart=True)
 
 
 def test_two_routers_balance_the_decode_pool(ray_cluster, controller, routers):
@@ -413,3 +351,46 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
     for tokens, _, _ in results:
         assert_matches(tokens, reference["over_one_block"])
     assert {final.prefill_worker for _, _, final in results} == {m.name for m in after.prefill}
+
+
+def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path):
+    """Admission is the tier's: 4 routers on one port (connections spread by SO_REUSEPORT)
+    with --max-in-flight 8 --max-queue 4 take at most 12 requests of a 60-request burst
+    (each router applying the limits alone would take up to 48), and every one they take
+    completes. Each request holds its slot for far longer than the burst takes to arrive."""
+    import dataclasses
+
+    from router.server import FrontDoorConfig
+    from router.tier import RouterTier
+
+    limit = 8 + 4
+    settings = dataclasses.replace(_settings(model_path), front=FrontDoorConfig(max_in_flight=8, max_queue=4))
+
+    async def one(address: str, i: int) -> str:
+        # A connection of its own (gRPC otherwise shares one among channels to one address).
+        async with grpc.aio.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+            request = build_request(list(PROMPTS["short"]), f"burst-{i}", max_tokens=160, ignore_eos=True)
+            try:
+                tokens, _, final = await stream_tokens(channel, request, timeout_s=120)
+            except grpc.aio.AioRpcError as err:
+                return err.code().name
+            return "OK" if len(tokens) == 160 and final.finish_reason == "length" else "SHORT"
+
+    async def scenario() -> list[str]:
+        tier = RouterTier(controller, settings)
+        try:
+            addresses = await tier.start(4)
+            # SO_REUSEPORT: one address, four router processes behind it.
+            assert len({a.grpc for a in addresses}) == 1, addresses
+            assert len({await actor.pid.remote() for actor, _ in tier.routers.values()}) == 4
+            address = addresses[0].grpc
+            await asyncio.sleep(2)  # a few view intervals: the routers' shares settle
+            return await asyncio.gather(*(one(address, i) for i in range(60)))
+        finally:
+            await tier.drain(30)
+
+    outcomes = run(scenario())
+    taken = len(outcomes) - outcomes.count("RESOURCE_EXHAUSTED")
+    print(f"taken {taken} of 60 (tier limit {limit}, overshoot {taken / limit - 1:+.0%}):", sorted(set(outcomes)))
+    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+    assert limit // 2 <= taken <= limit * 1.1, outcomes
