@@ -1,5 +1,5 @@
 """Failures with real processes and real kills (SIGKILL of an actor's process), then a soak
-of 100 requests through them."""
+of 60 requests through them."""
 
 from __future__ import annotations
 
@@ -9,20 +9,24 @@ import random
 import signal
 import time
 
+import grpc
 import pytest
 import ray
-from conftest import assert_no_blocks_held, run, wait_until
-from reference import MAX_TOKENS, assert_matches, collect, decode_after, make_request
+from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens, wait_until
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from reference import MAX_TOKENS, PROMPTS, assert_matches, collect, decode_after, make_request
 
 from kv_transfer.connector_config import TransferConfig
-from messages.errors import DecodeFailedError, NoWorkerError, TransferFailedError
+from messages.errors import DecodeFailedError, HandleExpiredError, NoWorkerError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from controller.deployment import Deployment, DeploymentConfig
+from router.client import build_request
 from router.orchestrator import RouterPolicy
 
 
-SOAK_REQUESTS = 100
+FAIL_LEASE_S = 10
+SOAK_REQUESTS = 60
 SOAK_CONCURRENCY = 12
 CLEAN_ERRORS = (DecodeFailedError, NoWorkerError, TransferFailedError)
 
@@ -43,7 +47,9 @@ def _up(engine_config, **kwargs) -> tuple[Deployment, object]:
 @pytest.fixture(scope="module")
 def fail_policy(ray_cluster, engine_config, reference):
     # TCP only, as between hosts: a READ then needs the producer's process to make progress.
-    transfer = TransferConfig(lease_s=10, load_failure_policy="fail", ucx_transports="tcp", transfer_timeout_s=5)
+    transfer = TransferConfig(
+        lease_s=FAIL_LEASE_S, load_failure_policy="fail", ucx_transports="tcp", transfer_timeout_s=5
+    )
     dep, orchestrator = _up(engine_config, transfer=transfer)
     yield dep, orchestrator
     dep.shutdown()
@@ -89,6 +95,45 @@ def test_transfer_from_a_stalled_peer_times_out(fail_policy, reference):
     finally:
         os.kill(pid, signal.SIGCONT)
     assert_no_blocks_held(dep, timeout_s=20)  # decode aborted it; the producer's lease ran out
+
+
+def test_expired_handle_is_refused_and_lease_frees_blocks(fail_policy):
+    dep, _ = fail_policy
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    result = ray.get(prefill.prefill.remote(make_request("long", "expire-src")))
+    load = ray.get(prefill.load.remote())
+    assert load.held_for_transfer == 1 and load.free_blocks < load.total_blocks
+    assert_no_blocks_held(dep, timeout_s=FAIL_LEASE_S + 10)  # the lease ran out
+    with pytest.raises(HandleExpiredError, match="expired"):
+        run(decode_after(decode, result, make_request("long", "expire-dst")))
+    assert_no_blocks_held(dep)
+
+
+def test_health_not_serving_without_a_live_decode_actor(fail_policy, model_path):
+    """The last on this deployment: it kills the decode actor for good. (Without prefill
+    actors the service stays SERVING, degraded: decode engines prefill; test_front_door
+    covers it.)"""
+    dep, _ = fail_policy
+    stack = ServedStack(dep, model_path)
+    try:
+
+        def status():
+            async def check(channel):
+                stub = health_pb2_grpc.HealthStub(channel)
+                return (await stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))).status
+
+            return stack.call(check)
+
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        ray.kill(dep.decode.members[0].actor, no_restart=True)
+
+        assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=15)
+        request = build_request(list(PROMPTS["short"]), max_tokens=4)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            stack.call(lambda ch: stream_tokens(ch, request))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        stack.close()
 
 
 def _answers(actor) -> bool:
@@ -149,7 +194,7 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
 
 @pytest.mark.slow
 def test_soak_with_cancellations_and_a_kill(recompute_policy):
-    """Last: 100 requests (random lengths, a quarter cancelled by their client) with a decode
+    """Last: 60 requests (random lengths, a quarter cancelled by their client) with a decode
     actor killed mid-run, bounded in count and time. Afterwards no engine holds a block and
     every stream ended with its tokens or a clean error."""
     dep, orchestrator = recompute_policy
@@ -187,7 +232,7 @@ def test_soak_with_cancellations_and_a_kill(recompute_policy):
         outcomes["completed"] += 1
 
     async def kill_one_decode_actor() -> None:
-        await asyncio.sleep(8)
+        await asyncio.sleep(5)
         victim = dep.decode.members[0].actor
         pid = await victim.pid.remote()
         os.kill(pid, signal.SIGKILL)

@@ -8,8 +8,7 @@ import time
 
 import grpc
 import pytest
-from conftest import ServedStack, assert_no_blocks_held, stream_tokens, wait_until
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from conftest import ServedStack, assert_no_blocks_held, stream_tokens
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from reference import MAX_TOKENS, PROMPTS, assert_matches
 
@@ -17,10 +16,9 @@ from router.client import build_request, stream_generate
 
 
 @pytest.fixture(scope="module")
-def stack(ray_cluster, engine_config, reference, model_path):
-    from controller.deployment import Deployment, DeploymentConfig
-
-    served = ServedStack(Deployment(DeploymentConfig(engine=engine_config)), model_path)
+def stack(shared_deployment, reference, model_path):
+    """The session's 1P+1D behind a router of this module's."""
+    served = ServedStack(shared_deployment, model_path)
     yield served
     served.close()
 
@@ -235,27 +233,3 @@ def test_reflection_lists_the_services(stack):
 
     services = _call(stack, list_services)
     assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= services
-
-
-def test_health_not_serving_without_a_live_decode_actor(stack):
-    """Runs last in this module: it kills the decode actor. (Without prefill actors the
-    service stays SERVING, degraded: decode engines prefill; test_front_door covers it.)"""
-    import ray
-
-    dep = stack.dep
-
-    def status():
-        async def check(channel):
-            stub = health_pb2_grpc.HealthStub(channel)
-            return (await stub.Check(health_pb2.HealthCheckRequest(service="pdserve.v1.Generation"))).status
-
-        return _call(stack, check)
-
-    assert status() == health_pb2.HealthCheckResponse.SERVING
-    ray.kill(dep.decode.members[0].actor, no_restart=True)
-
-    assert wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout_s=15)
-    request = build_request(_ids("short"), max_tokens=4)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        _call(stack, lambda ch: _stream(ch, request))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -39,7 +39,7 @@ SHARED_MEMORY_TRANSPORTS = ("cma", "posix", "sysv", "xpmem", "knem", "self")
 
 # The load each fault meets: arbitrary prompts (no prefix hits) of two or more attention
 # blocks and the DeltaNet state to move, all in flight at once.
-LOAD_REQUESTS = 6
+LOAD_REQUESTS = 4
 LOAD_PROMPT_TOKENS = 300
 LOAD_MAX_TOKENS = 32
 # Serve's own bounds for a stalled pull or stream; a request not done by the client's

@@ -17,7 +17,7 @@ import psutil
 import pytest
 import ray
 from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
-from reference import MIN_COMPARED, PROMPTS, assert_matches, collect, decode_after, make_request, reference_runs
+from reference import MIN_COMPARED, PROMPTS, assert_matches, decode_after, make_request, reference_runs
 
 from router.client import build_request
 from controller.deployment import Deployment, DeploymentConfig
@@ -165,23 +165,27 @@ def test_capacity_reported_by_each_engine_matches_pdserve_plan(served_tp2, model
         assert {g.block_size for g in layout.groups if g.block_size} == {plan.block_size}
 
 
-def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, engine_config, reference):
-    """Then the long prompt again, with prefix hits on both sides: the TP 2 prefill engine
-    reuses its blocks up to its checkpoint, the TP 1 decode engine its own attention blocks."""
-    dep = Deployment(DeploymentConfig(engine=engine_config, prefill_sizing=TP2))
-    try:
-        orchestrator = run(dep.start())
-        for name in ["over_one_block", "long"]:
-            tokens, result = run(collect(orchestrator.generate(make_request(name, f"tp21-{name}"))))
-            assert_matches(tokens, reference[name])
-            assert result.prefill_worker == "prefill-0"
-        tokens, again = run(collect(orchestrator.generate(make_request("long", "tp21-long-again"))))
-        assert_matches(tokens, reference["long"])
-        block = dep.capacities["prefill-0"].block_size
-        assert again.cached_tokens == (len(PROMPTS["long"]) - 1) // block * block
-        assert_no_blocks_held(dep)
-    finally:
-        dep.shutdown()
+def test_tp2_prefill_hands_off_to_tp1_decode(served_tp2, shared_deployment, reference):
+    """TP 2 -> 1: the TP 2 prefill engine above hands off to the session's TP 1 decode engine
+    (a decode engine reads from any producer of the model it can reach). Then the long prompt
+    again, with prefix hits on both sides: the TP 2 prefill engine reuses its blocks up to
+    its checkpoint, the TP 1 decode engine its own attention blocks."""
+    prefill = served_tp2.dep.prefill.members[0].actor
+    decode = shared_deployment.decode.members[0].actor
+
+    def handed_off(name: str, request_id: str):
+        result = ray.get(prefill.prefill.remote(make_request(name, request_id)))
+        tokens = run(decode_after(decode, result, make_request(name, request_id)))
+        assert_matches(tokens, reference[name])
+        return result
+
+    for name in ["over_one_block", "long"]:
+        handed_off(name, f"tp21-{name}")
+    again = handed_off("long", "tp21-long-again")
+    block = served_tp2.dep.capacities["prefill-0"].block_size
+    assert again.cached_tokens == (len(PROMPTS["long"]) - 1) // block * block
+    assert_no_blocks_held(served_tp2.dep)
+    assert_no_blocks_held(shared_deployment)
 
 
 def test_unsupported_tp_pairing_is_refused_before_any_engine_starts():
