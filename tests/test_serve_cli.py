@@ -1,6 +1,7 @@
 """`pdserve serve` as a user runs it: its own local cluster, a controller, two routers on
-one port (gRPC and HTTP), a generation through each front, then SIGTERM: drained, engines
-and controller stopped, every process of its cluster gone."""
+one port (gRPC and HTTP), colocated serving (the baseline P/D is compared with) through each
+front, then SIGTERM: drained, engines and controller stopped, every process of its cluster
+gone."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import urllib.request
 import psutil
 from conftest import run, stream_tokens
 from listeners import not_rays
+from reference import MAX_TOKENS, PROMPTS, assert_matches
 
 
 def _free_port() -> int:
@@ -32,7 +34,7 @@ def _is_loopback(ip: str) -> bool:
     return (mapped or address).is_loopback
 
 
-def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_path):
+def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_path, reference):
     import grpc
 
     from router.client import build_request
@@ -66,13 +68,16 @@ def test_serve_with_two_routers_generates_and_drains_on_sigterm(tmp_path, model_
         assert not_rays(wide) == []
 
         async def through_grpc():
+            request = build_request(list(PROMPTS["long"]), "cli", max_tokens=MAX_TOKENS, ignore_eos=True)
             async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
-                return await stream_tokens(
-                    channel, build_request("Prefill and decode", "cli", max_tokens=6, ignore_eos=True)
-                )
+                return await stream_tokens(channel, request)
 
+        # Colocated serving (--prefill 0): the decode engine prefills, nothing is transferred.
         tokens, _, final = run(through_grpc())
-        assert len(tokens) == 6 and final.finish_reason == "length"
+        assert_matches(tokens, reference["long"])
+        assert final.finish_reason == "length" and final.prefill_worker == ""
+        assert final.timings.attention_kv_bytes == final.timings.deltanet_state_bytes == 0
+        assert final.timings.ttft_s > 0
         body = json.dumps({"model": model_path, "prompt": "Prefill and decode", "max_tokens": 4}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{http_port}/v1/completions", body, {"content-type": "application/json"}
