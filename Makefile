@@ -37,5 +37,5 @@ bench: install
 	$(VENV)/bin/python -m bench.planner_live
 	$(VENV)/bin/python -m bench.vs_vllm
 	$(VENV)/bin/python -m bench.prefix_reuse
-	$(VENV)/bin/python -m bench.shadow_cost
+	$(VENV)/bin/python -m bench.integrity_cost
 	$(VENV)/bin/python -m bench.control_plane_start

@@ -5,8 +5,8 @@ Which mechanisms are vLLM's and which are ours:
   attention blocks and DeltaNet state slots, the producer-side lease on finished requests
   (`kv_lease_duration`, extended by decode heartbeats), `kv_load_failure_policy`.
 - ours: unique engine ids and side-channel ports per worker (many workers per host), the
-  NIXL progress-thread setting (`kv_transfer.progress_thread`), handle expiry checks and
-  byte accounting.
+  NIXL progress-thread setting (`kv_transfer.progress_thread`), handle expiry checks, byte
+  accounting and transfer digests (kv_transfer.digest_connector, a NixlConnector subclass).
 """
 
 from __future__ import annotations
@@ -70,6 +70,12 @@ class TransferConfig:
     link_floor_gbit_s: float = knob(
         1.0, flag="link-floor-gbits", help="warn when a measured link is slower (an RDMA cluster: e.g. 100)"
     )
+    # kv_transfer.digests; the cost per request is in docs/benchmarks.md.
+    digest_fraction: float = knob(
+        1.0,
+        help="share of handoffs whose blocks and state decode checks against the producer's digests before "
+        "running (0: none); a mismatch fails the load (load_failure_policy decides what follows)",
+    )
 
     @property
     def nixl_backends(self) -> tuple[str, ...]:
@@ -111,6 +117,8 @@ class TransferConfig:
             raise ValueError("link_probe_bytes and link_floor_gbit_s must be >= 0")
         if self.fabric not in FABRICS:
             raise ValueError(f"fabric {self.fabric!r}: one of {', '.join(FABRICS)}")
+        if not 0 <= self.digest_fraction <= 1:
+            raise ValueError(f"digest_fraction must be in [0, 1], got {self.digest_fraction}")
         if self.backends is not None and not self.backends:
             raise ValueError("backends: name at least one NIXL backend, e.g. UCX")
 
@@ -118,7 +126,8 @@ class TransferConfig:
         from vllm.config import KVTransferConfig
 
         return KVTransferConfig(
-            kv_connector="NixlConnector",
+            kv_connector="DigestedNixlConnector",  # NixlConnector, checking transfer digests
+            kv_connector_module_path="kv_transfer.digest_connector",
             kv_role=role.value,
             kv_buffer_device=self.kv_buffer_device,
             engine_id=engine_id,

@@ -12,6 +12,8 @@ from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
+from kv_transfer.digests import CHECKED, FAILED, UNCHECKED
+
 _SECONDS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2, 5)
 _BYTES = tuple(float(2**p) for p in range(12, 36, 2))  # 4 KiB .. 32 GiB
 
@@ -34,6 +36,14 @@ TRANSFER_FAILURES = Counter("pdserve_nixl_transfer_failures_total", "Failed tran
 STATE_BYTES = Counter("pdserve_transfer_state_bytes_total", "State bytes pulled by decode, by kind", ["kind"])
 LEASES_GRANTED = Counter("pdserve_leases_granted_total", "Prefill results held for a decode read (one lease each)")
 LEASES_EXPIRED = Counter("pdserve_leases_expired_total", "Leases that ran out before decode confirmed the read")
+INTEGRITY_FAILURES = Counter(
+    "pdserve_handoff_integrity_failures_total",
+    "Pulled blocks or state slots whose transfer digest differed from the producer's (the load was discarded)",
+    ["kind"],
+)
+DIGEST_CHECKS = Counter(
+    "pdserve_handoff_digest_checks_total", "Handoffs carrying digests, by whether decode could check them", ["outcome"]
+)
 
 # vLLM NixlKVConnectorStats field -> our failure cause label.
 _FAILURE_FIELDS = {
@@ -59,6 +69,12 @@ def observe_connector_stats(data: dict[str, list[Any]]) -> None:
             TRANSFER_FAILURES.labels(cause).inc(len(data[field]))
     if data.get("num_kv_expired_reqs"):
         LEASES_EXPIRED.inc(len(data["num_kv_expired_reqs"]))
+    for field, outcome in ((CHECKED, "checked"), (UNCHECKED, "unchecked")):
+        if data.get(field):
+            DIGEST_CHECKS.labels(outcome).inc(len(data[field]))
+    for kind, field in FAILED.items():
+        if data.get(field):
+            INTEGRITY_FAILURES.labels(kind).inc(len(data[field]))
 
 
 def serve_metrics(host: str) -> str:

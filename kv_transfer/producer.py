@@ -18,10 +18,12 @@ not compile before it computes the prompt.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from kv_transfer.connector_config import TransferConfig
+from kv_transfer.digests import DIGESTS_KEY
 from kv_transfer.layout import StateLayout
 from kv_transfer.metrics import LEASES_GRANTED
 from messages.errors import PrefillFailedError
@@ -49,6 +51,7 @@ class TransferProducer:
         """`prefill_backoff`: the engine's (kv_transfer.connector_config.prefill_backoff)."""
         self._transfer = transfer
         self._prefill_backoff = prefill_backoff
+        self._sample = random.Random()
 
     def leg(self, request: GenerateRequest) -> PrefillLeg:
         if self._prefill_backoff == 1 and not request.sampling.decoded_whole:
@@ -77,6 +80,16 @@ class TransferProducer:
             reason = final.outputs[0].finish_reason if final else "no output"
             raise PrefillFailedError(f"prefill of {request_id} produced no transfer handle ({reason})")
         return final.kv_transfer_params
+
+    def wants_digests(self) -> bool:
+        """Whether this handoff carries digests of what it holds (TransferConfig.digest_fraction)."""
+        return self._sample.random() < self._transfer.digest_fraction
+
+    @staticmethod
+    def with_digests(connector_params: dict[str, Any], per_rank: Sequence[Any]) -> dict[str, Any]:
+        """The params decode's engine gets, with every rank's digests of the held blocks
+        (vllm_engine.worker_extension `pdserve_transfer_digests`, in rank order)."""
+        return {**connector_params, DIGESTS_KEY: list(per_rank)}
 
     def grant(self, connector_params: dict[str, Any], layout: StateLayout) -> TransferHandle:
         """A lease on the held blocks, as the handle the router carries to decode; `layout`

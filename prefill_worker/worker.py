@@ -31,6 +31,9 @@ class PrefillWorker(EngineWorker):
         async for output in self._engine.generate(request.request_id, engine_prompt(request), params):
             final = output
         connector_params = self._producer.held_params(request.request_id, final)
+        if self._producer.wants_digests():  # while the engine holds the blocks for decode
+            digests = await self._engine.on_every_rank("pdserve_transfer_digests", connector_params["remote_block_ids"])
+            connector_params = self._producer.with_digests(connector_params, digests)
         handle = self._producer.grant(connector_params, await self._engine.state_layout())
         first = None
         if leg.samples_first:

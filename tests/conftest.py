@@ -127,6 +127,23 @@ def assert_no_blocks_held(dep, timeout_s: float = 5.0) -> None:
     assert wait_until(lambda: _engines_idle(dep), timeout_s), "blocks still held on an engine"
 
 
+def engine_counter(actor, metric: str, label: str) -> dict[str, float]:
+    """One of an engine actor's labelled Prometheus counters (`metric`_total), by label value."""
+    import urllib.request
+
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    address = ray.get(actor.metrics_address.remote())
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    return {
+        s.labels[label]: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == f"{metric}_total"
+    }
+
+
 class ServedStack:
     """A deployment behind the router's gRPC server, which runs on its own loop in a
     background thread as it would in `pdserve serve` (it keeps handling cancellations and

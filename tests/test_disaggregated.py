@@ -13,7 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from conftest import assert_no_blocks_held, run
+from conftest import assert_no_blocks_held, engine_counter, run
 from reference import (
     MAX_TOKENS,
     MIN_COMPARED,
@@ -27,6 +27,9 @@ from reference import (
     prompt_of,
 )
 
+from injection import attention_blocks_shifted, state_slots, tamper_state, without_digests
+
+from kv_transfer.digests import DIGESTS_KEY
 from kv_transfer.layout import GroupKind
 from messages.errors import InvalidRequestError, TransferFailedError
 from messages.requests import GenerateRequest, SamplingConfig
@@ -292,15 +295,14 @@ def test_a_shadow_check_agrees_with_a_true_handoff_and_catches_wrong_state(deplo
     tokens, served_logprobs = run(decode_on_handle(decode, y_result, x))
     stale = run(verify(decode, x, tokens[:SHADOW_STEPS], served_logprobs[:SHADOW_STEPS], "prefill-0", "decode-0"))
 
-    # Noise over the request's DeltaNet state slots on the producer, before decode reads them
-    # (a salt of its own keeps the corrupted blocks out of every other request's prefix hits).
+    # Noise over the request's DeltaNet state slots on the producer, before decode reads them,
+    # on a handoff not sampled for digests (which would refuse it: the test below). A salt of
+    # its own keeps the corrupted blocks out of every other request's prefix hits.
     corrupt = dataclasses.replace(make_request("x", "shadow-corrupt", logprobs=0), cache_salt="corrupted")
-    result = run(_prefill(prefill, corrupt))
+    result = without_digests(run(_prefill(prefill, corrupt)))
     layout = ray_get(prefill.state_layout.remote())
-    slots = [i for g, ids in zip(layout.groups, result.handle.block_ids) if g.kind is GroupKind.DELTANET for i in ids]
-    assert _corrupt_state_slots(prefill, slots) == [
-        2 * sum(g.num_layers for g in layout.groups if g.kind is GroupKind.DELTANET)
-    ]
+    changed = tamper_state(prefill, state_slots(layout, result.handle), "noise")
+    assert changed == [2 * sum(g.num_layers for g in layout.groups if g.kind is GroupKind.DELTANET)]
     tokens, served_logprobs = run(decode_on_handle(decode, result, corrupt))
     broken = run(
         verify(decode, corrupt, tokens[:SHADOW_STEPS], served_logprobs[:SHADOW_STEPS], "prefill-0", "decode-0")
@@ -310,21 +312,47 @@ def test_a_shadow_check_agrees_with_a_true_handoff_and_catches_wrong_state(deplo
     assert_no_blocks_held(dep)
 
 
-def _corrupt_state_slots(actor, slots: list[int]) -> list[int]:
-    """Test hook: random values over the conv and temporal state of `slots` in every recurrent
-    layer of the engine (as a faulty copy or device would leave them); per rank, the tensors
-    it overwrote."""
+def test_transfer_digests_catch_a_flipped_bit_a_shifted_block_table_and_a_missing_conv_state(deployment, reference):
+    """Issue 32's transfer digests: prefill's engine digests every block and state slot it
+    holds for decode, and decode's checks what its READ brought before the request runs. Each
+    fault below, made on the producer after its digests (or in the handle), fails the load
+    (this deployment's policy: fail, so the router would migrate the request; with
+    "recompute" decode recomputes it: tests/test_faults.py) and is counted by kind."""
+    dep, _ = deployment
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    layout = ray_get(prefill.state_layout.remote())
+    failures = lambda: engine_counter(decode, "pdserve_handoff_integrity_failures", "kind")  # noqa: E731
+    checks = lambda: engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")  # noqa: E731
+    before, checks_before = failures(), checks()
 
-    def corrupt(worker, slots: list[int]) -> int:
-        import torch
+    def handoff(name: str):
+        request = dataclasses.replace(make_request("x", f"digest-{name}"), cache_salt=f"tampered-{name}")
+        result = run(_prefill(prefill, request))
+        assert DIGESTS_KEY in result.handle.connector_params  # every handoff (digest_fraction 1)
+        return request, result
 
-        index, overwritten = torch.tensor(slots), 0
-        for layer in worker.vllm_config.compilation_config.static_forward_context.values():
-            cache = getattr(layer, "kv_cache", None)
-            if isinstance(cache, tuple):  # a recurrent layer's: (conv, temporal); attention's is a tensor
-                for state in cache:
-                    state[index] = torch.randn_like(state[index])
-                    overwritten += 1
-        return overwritten
+    request, result = handoff("flip")
+    assert tamper_state(prefill, state_slots(layout, result.handle), "flip_a_byte") == [1]
+    with pytest.raises(TransferFailedError, match="could not load"):
+        run(decode_after(decode, result, request))
 
-    return ray_get(actor.__ray_call__.remote(lambda a: a._engine._engine.collective_rpc(corrupt, args=(slots,))))
+    request, result = handoff("zero-conv")
+    tamper_state(prefill, state_slots(layout, result.handle), "zero_conv")
+    with pytest.raises(TransferFailedError, match="could not load"):
+        run(decode_after(decode, result, request))
+
+    request, result = handoff("shift")
+    with pytest.raises(TransferFailedError, match="could not load"):
+        run(decode_after(decode, attention_blocks_shifted(result, layout), request))
+
+    after, checks_after = failures(), checks()
+    failed = {kind: after.get(kind, 0) - before.get(kind, 0) for kind in ("attention", "state")}
+    assert failed == {"attention": 1, "state": 2}, failed
+    checked = {o: checks_after.get(o, 0) - checks_before.get(o, 0) for o in ("checked", "unchecked")}
+    assert checked == {"checked": 3, "unchecked": 0}, checked
+
+    # And an untouched handoff passes its check and decodes.
+    request, result = handoff("untouched")
+    assert_matches(run(decode_after(decode, result, request)), reference["x"])
+    assert checks().get("checked", 0) - checks_before.get("checked", 0) == 4 and failures() == after
+    assert_no_blocks_held(dep)

@@ -4,6 +4,7 @@ of 60 requests through them."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import random
 import signal
@@ -14,6 +15,7 @@ import pytest
 import ray
 from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from injection import state_slots, tamper_state
 from reference import MAX_TOKENS, PROMPTS, assert_matches, collect, decode_after, make_request
 
 from kv_transfer.connector_config import TransferConfig
@@ -189,6 +191,22 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
     assert result.completion_tokens == MAX_TOKENS == len(tokens)
     assert_matches(tokens, reference["long"])  # one uninterrupted, correct stream
     assert wait_until(lambda: _answers(killed.actor), timeout_s=60)  # Ray restarted it
+    assert_no_blocks_held(dep, timeout_s=15)
+
+
+def test_a_handoff_whose_digest_fails_is_recomputed_on_decode(recompute_policy, reference):
+    """A bit flipped in a state slot on the producer after its digests: decode's check
+    refuses the pulled state and, under this deployment's policy, vLLM recomputes the request
+    on decode: the client gets the right tokens."""
+    dep, _ = recompute_policy
+    assert wait_until(lambda: _answers(dep.prefill.members[0].actor), timeout_s=60)
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    request = dataclasses.replace(make_request("x", "digest-recompute"), cache_salt="tampered-recompute")
+    result = ray.get(prefill.prefill.remote(request))
+    layout = ray.get(prefill.state_layout.remote())
+    assert tamper_state(prefill, state_slots(layout, result.handle), "flip_a_byte") == [1]
+    tokens = run(decode_after(decode, result, request))
+    assert_matches(tokens, reference["x"])
     assert_no_blocks_held(dep, timeout_s=15)
 
 

@@ -19,7 +19,7 @@ by far more (the control below measures by how much).
 from __future__ import annotations
 
 import pytest
-from conftest import assert_no_blocks_held, run
+from conftest import assert_no_blocks_held, engine_counter, run
 from reference import prompt_of
 
 from controller.deployment import Deployment, DeploymentConfig
@@ -99,8 +99,13 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
     assert len(continuation) == STEPS
 
+    checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
     tokens, pd, result = run(_through_pd(orchestrator, _request("pd", prompt, tuple(continuation))))
     assert tokens == continuation, "teacher forcing did not hold the continuation"
+    # The handoff's blocks and state passed decode's digest check (kv_transfer.digests).
+    checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+    print(path, "digest checks", checks_before, "->", checks)
+    assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
     assert result.prefill_worker == "prefill-0" and result.decode_worker == "decode-0"
     gap = _largest_gap(colocated, pd)
 
@@ -143,8 +148,12 @@ def test_tp2_prefill_hands_off_to_tp1_decode_on_the_mamba2_hybrid(ray_cluster):
         decode = dep.decode.members[0].actor
         prompt = prompt_of(37, 11, PROMPT_TOKENS)
         continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
+        checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         tokens, pd, result = run(_through_pd(orchestrator, _request("pd-tp2", prompt, tuple(continuation))))
         assert tokens == continuation and result.prefill_worker == "prefill-0"
+        # Decode checked each block and state slot against the sum of both ranks' digests.
+        checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+        assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
         gap = _largest_gap(colocated, pd)
         print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps")
         assert gap <= TP_TOLERANCE_NATS

@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 import ray
-from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens
+from conftest import ServedStack, assert_no_blocks_held, engine_counter, run, stream_tokens
 from reference import MIN_COMPARED, PROMPTS, assert_matches, decode_after, make_request, reference_runs
 
 from router.client import build_request
@@ -172,6 +172,8 @@ def test_tp2_prefill_hands_off_to_tp1_decode(served_tp2, shared_deployment, refe
     its checkpoint, the TP 1 decode engine its own attention blocks."""
     prefill = served_tp2.dep.prefill.members[0].actor
     decode = shared_deployment.decode.members[0].actor
+    checks = lambda: engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")  # noqa: E731
+    before = checks()
 
     def handed_off(name: str, request_id: str):
         result = ray.get(prefill.prefill.remote(make_request(name, request_id)))
@@ -184,6 +186,10 @@ def test_tp2_prefill_hands_off_to_tp1_decode(served_tp2, shared_deployment, refe
     again = handed_off("long", "tp21-long-again")
     block = served_tp2.dep.capacities["prefill-0"].block_size
     assert again.cached_tokens == (len(PROMPTS["long"]) - 1) // block * block
+    # Each block decode filled from two ranks' halves was checked against the sum of their
+    # digests (the last handoff read only what decode's own cache lacked).
+    after = checks()
+    assert {o: after.get(o, 0) - before.get(o, 0) for o in ("checked", "unchecked")} == {"checked": 3, "unchecked": 0}
     assert_no_blocks_held(served_tp2.dep)
     assert_no_blocks_held(shared_deployment)
 

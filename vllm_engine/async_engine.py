@@ -5,8 +5,8 @@ scheduling), so the actor's event loop only detokenizes and streams while the GP
 TP ranks are worker processes of that core. Everything vLLM's own OpenAI server relies on
 is used as is; pdserve adds only two small readers:
 - load reports from the scheduler statistics vLLM hands its stat loggers each step;
-- the KV-cache layout, read on the ranks through a worker extension (`LayoutReporter`),
-  since the scheduler's copy lives in the engine-core process.
+- the KV-cache layout, read on the ranks (vllm_engine.worker_extension), since the
+  scheduler's copy lives in the engine-core process.
 """
 
 from __future__ import annotations
@@ -27,15 +27,6 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from kv_transfer.layout import StateLayout
-
-
-class LayoutReporter:
-    """vLLM worker extension (`worker_extension_cls`): methods callable on every rank."""
-
-    def pdserve_state_layout(self) -> dict[str, Any]:
-        from kv_transfer.layout import StateLayout
-
-        return StateLayout.from_kv_cache_config(self.model_runner.kv_cache_config).to_dict()  # type: ignore[attr-defined]
 
 
 class _LatestSchedulerStats:
@@ -76,9 +67,7 @@ class AsyncEngine:
         prepare_process(config, wiring.env)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = config.engine_args(
-            wiring.kv_transfer_config, wiring.kv_events_config, worker_extension_cls=f"{__name__}.LayoutReporter"
-        )
+        args = config.engine_args(wiring.kv_transfer_config, wiring.kv_events_config)
         stats = _LatestSchedulerStats()
         llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *wiring.stat_loggers])
         return cls(llm, stats, wiring.on_fatal)
@@ -101,6 +90,9 @@ class AsyncEngine:
             layout = StateLayout.from_dict(ranks[0])
             self._layout = StateLayout(layout.groups, layout.num_blocks, len(ranks))
         return self._layout
+
+    async def on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        return await self._llm.collective_rpc(method, args=args)
 
     async def generate(
         self, request_id: str, prompt: dict[str, Any], params: "SamplingParams"

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from configuration.fields import knob
 from configuration.parsers import parse_bytes, parse_json_object
 from kv_transfer.layout import HYBRID_TRANSFER_ENV
+from vllm_engine.worker_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:
     from vllm.engine.arg_utils import EngineArgs
@@ -182,6 +183,7 @@ class EngineConfig:
             kv_transfer_config=kv_transfer_config,
             kv_events_config=kv_events_config,
             logits_processors=[TEACHER_FORCING],
+            worker_extension_cls=WORKER_EXTENSION,
             **{**self.extra_engine_args, **overrides},
         )
 

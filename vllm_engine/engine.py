@@ -44,6 +44,10 @@ class Engine(Protocol):
         """This request's outputs; leaving early (break, cancel) aborts it in the engine."""
         ...
 
+    async def on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        """A vllm_engine.worker_extension method's result on each rank, in rank order."""
+        ...
+
     async def release_transfer(self, kv_transfer_params: dict[str, Any]) -> None:
         """Tell the producer named in these params (over NIXL) that its blocks will never be
         read, so it frees them now instead of at lease expiry (decode role only)."""

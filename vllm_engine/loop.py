@@ -68,6 +68,15 @@ class _Release:
     kv_transfer_params: dict[str, Any]
 
 
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """A method of every rank (vllm_engine.worker_extension), run between steps."""
+
+    method: str
+    args: tuple[Any, ...]
+    sink: _Sink
+
+
 class EngineLoop:
     def __init__(self, engine: "LLMEngine", on_fatal: Callable[[BaseException], None] | None = None) -> None:
         self._engine = engine
@@ -75,7 +84,7 @@ class EngineLoop:
         # told, then `on_fatal` decides (a Ray actor exits so Ray restarts it).
         self._on_fatal = on_fatal
         self._scheduler = engine.engine_core.engine_core.scheduler
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Release | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Release | _Call | None] = queue.SimpleQueue()
         self._step_once = False  # a release must reach the connector even with nothing to run
         self._sinks: dict[str, _Sink] = {}
         self._wake = threading.Event()
@@ -159,7 +168,15 @@ class EngineLoop:
         self._wake.set()
         self._thread.join(timeout=10)
 
-    def _send(self, command: _Add | _Abort | _Release) -> None:
+    async def on_every_rank(self, method: str, *args: Any) -> list[Any]:
+        answer: asyncio.Queue[Any] = asyncio.Queue()
+        self._send(_Call(method, args, _Sink(asyncio.get_running_loop(), answer)))
+        result = await answer.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _send(self, command: _Add | _Abort | _Release | _Call) -> None:
         self._commands.put(command)
         self._wake.set()
 
@@ -192,6 +209,12 @@ class EngineLoop:
             if isinstance(command, _Release):
                 self._engine.engine_core.add_request(_pre_aborted(command.kv_transfer_params))
                 self._step_once = True
+                continue
+            if isinstance(command, _Call):
+                try:
+                    command.sink.put(self._engine.collective_rpc(command.method, args=command.args))
+                except Exception as exc:  # the caller's to handle; the engine is fine
+                    command.sink.put(exc)
                 continue
             try:
                 self._engine.add_request(command.request_id, command.prompt, command.params)
