@@ -51,3 +51,10 @@ def test_blocks_first_or_second_and_a_cache_without_the_block_count_is_refused()
 def test_digests_cross_the_wire_intact():
     per_rank = [[[Digest(1, 2, 3), Digest(-4, 5, 6)], []], [[Digest(7, 8, 9)], [Digest(0, 0, 10)]]]
     assert from_wire(to_wire(per_rank)) == per_rank
+
+
+def test_a_part_that_is_not_whole_64_bit_words_is_marked_so_decode_leaves_it_unchecked():
+    conv = torch.randn(BLOCKS, 5, 3, dtype=torch.bfloat16)  # 30 bytes a slot
+    (digest,) = block_digests([(conv,)], [1], BLOCKS)
+    assert not digest.aligned and digest.nbytes == 30
+    assert not (digest + block_digests([_state()], [1], BLOCKS)[0]).aligned

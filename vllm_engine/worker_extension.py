@@ -18,5 +18,7 @@ class RankMethods:
         """This rank's digests of a finished request's held blocks (kv_transfer.digests)."""
         from vllm.distributed.kv_transfer import get_kv_transfer_group
 
+        from kv_transfer.digests import to_wire
+
         groups = get_kv_transfer_group().producer_digests(logical_block_ids)
-        return [[[d.words, d.squares, d.nbytes] for d in group] for group in groups]
+        return to_wire([groups])[0]
