@@ -164,13 +164,13 @@ class DigestedNixlConnector(NixlConnector):
                 log.exception("transfer digest check of request %s failed to run", request_id)
                 mismatched = None
             if mismatched is None:
-                stats.data[UNCHECKED].append(1)
+                stats.data[UNCHECKED].append(request_id)
                 continue
-            stats.data[CHECKED].append(1)
+            stats.data[CHECKED].append(request_id)
             if mismatched:
                 results.failed_recving.add(request_id)
                 for kind in sorted(mismatched):
-                    stats.data[FAILED[kind]].append(1)
+                    stats.data[FAILED[kind]].append(request_id)
                 log.error(
                     "transfer digest mismatch: request %s read from %s into %s: %s differ from what the "
                     "producer held; discarding the pulled state (vLLM's kv_load_failure_policy decides: "

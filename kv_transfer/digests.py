@@ -25,8 +25,8 @@ if TYPE_CHECKING:
 
 # Where a producer's digests travel in the handle's kv_transfer_params (vLLM ignores the key).
 DIGESTS_KEY = "pdserve_digests"
-# The consumer's outcomes, as fields of the connector statistics (one entry per event) that
-# the engine's stat logger reads (kv_transfer.metrics).
+# The consumer's outcomes, as fields of the connector statistics that the engine's stat logger
+# reads (kv_transfer.metrics): each rank of a decode engine lists the request ids it checked.
 CHECKED, UNCHECKED = "pdserve_digest_checked", "pdserve_digest_unchecked"
 FAILED = {"attention": "pdserve_integrity_failed_attention", "state": "pdserve_integrity_failed_state"}
 

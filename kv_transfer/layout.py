@@ -38,6 +38,9 @@ class CacheGroup:
     # over NIXL: the real content, not the padding vLLM adds to unify page sizes.
     bytes_per_block_per_layer: int
     block_size: int  # tokens per block (attention); 0 for state groups
+    # Blocks a max-length request holds at most where vLLM frees blocks behind it (a sliding
+    # window: its `max_admission_blocks_per_request`); 0 where they grow with the request.
+    window_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +52,10 @@ class StateLayout:
     tensor_parallel_size: int = 1
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any, tensor_parallel_size: int = 1) -> "StateLayout":
+    def from_kv_cache_config(
+        cls, kv_cache_config: Any, tensor_parallel_size: int = 1, vllm_config: Any = None
+    ) -> "StateLayout":
+        """`vllm_config`: the engine's, for what a sliding window holds (else counted in full)."""
         from vllm.v1.kv_cache_interface import (
             AttentionSpec,
             MambaSpec,
@@ -64,12 +70,18 @@ class StateLayout:
             if isinstance(spec, MambaSpec):
                 groups.append(CacheGroup(GroupKind.DELTANET, len(group.layer_names), spec.state_content_size_bytes, 0))
             elif isinstance(spec, AttentionSpec):
+                window_blocks = 0
+                if vllm_config is not None and hasattr(spec, "max_admission_blocks_per_request"):
+                    window_blocks = spec.max_admission_blocks_per_request(
+                        vllm_config.max_in_flight_tokens, vllm_config.model_config.max_model_len
+                    )
                 groups.append(
                     CacheGroup(
                         GroupKind.ATTENTION,
                         len(group.layer_names),
                         spec.real_page_size_bytes,
                         spec.block_size,
+                        window_blocks,
                     )
                 )
             else:
@@ -82,7 +94,13 @@ class StateLayout:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "StateLayout":
         groups = tuple(
-            CacheGroup(GroupKind(g["kind"]), g["num_layers"], g["bytes_per_block_per_layer"], g["block_size"])
+            CacheGroup(
+                GroupKind(g["kind"]),
+                g["num_layers"],
+                g["bytes_per_block_per_layer"],
+                g["block_size"],
+                g.get("window_blocks", 0),
+            )
             for g in data["groups"]
         )
         return cls(groups, data["num_blocks"], data.get("tensor_parallel_size", 1))
@@ -112,7 +130,8 @@ class StateLayout:
         """What this engine's pool holds (vLLM keeps one null block back)."""
         usable = max(0, self.num_blocks - 1)
         per_request = sum(
-            -(-max_model_len // g.block_size) if g.kind is GroupKind.ATTENTION else 1 for g in self.groups
+            1 if g.kind is GroupKind.DELTANET else g.window_blocks or -(-max_model_len // g.block_size)
+            for g in self.groups
         )
         state_groups = sum(g.kind is GroupKind.DELTANET for g in self.groups)
         return EngineCapacity(

@@ -8,7 +8,8 @@ by the prefill worker (granted) and by vLLM (expired).
 
 from __future__ import annotations
 
-from typing import Any
+from collections import OrderedDict
+from typing import Any, Iterable
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
@@ -69,12 +70,27 @@ def observe_connector_stats(data: dict[str, list[Any]]) -> None:
             TRANSFER_FAILURES.labels(cause).inc(len(data[field]))
     if data.get("num_kv_expired_reqs"):
         LEASES_EXPIRED.inc(len(data["num_kv_expired_reqs"]))
+    # Every rank of a decode engine checks its share of a handoff: count each handoff once.
     for field, outcome in ((CHECKED, "checked"), (UNCHECKED, "unchecked")):
-        if data.get(field):
-            DIGEST_CHECKS.labels(outcome).inc(len(data[field]))
+        DIGEST_CHECKS.labels(outcome).inc(_first_time(field, data.get(field, ())))
     for kind, field in FAILED.items():
-        if data.get(field):
-            INTEGRITY_FAILURES.labels(kind).inc(len(data[field]))
+        INTEGRITY_FAILURES.labels(kind).inc(_first_time(field, data.get(field, ())))
+
+
+_SEEN: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+
+def _first_time(field: str, request_ids: Iterable[str]) -> int:
+    """How many of `request_ids` this process has not yet counted under `field` (ranks report
+    one handoff in the same step or the next; the last few thousand are remembered)."""
+    new = 0
+    for request_id in request_ids:
+        if (field, request_id) not in _SEEN:
+            _SEEN[(field, request_id)] = None
+            new += 1
+    while len(_SEEN) > 4096:
+        _SEEN.popitem(last=False)
+    return new
 
 
 def serve_metrics(host: str) -> str:

@@ -74,6 +74,9 @@ LOCAL_PREFILL_FALLBACKS = Counter(
 )
 ROUTES = Counter("pdserve_route_picks_total", "Engines picked for a leg, by pool and why", ["pool", "reason"])
 FAILOVERS = Counter("pdserve_decode_failovers_total", "Streams whose decode actor died, by what was done", ["action"])
+HANDOFF_RETRIES = Counter(
+    "pdserve_handoff_retries_total", "Requests prefilled again because decode could not load the handed-off state"
+)
 SHADOW_CHECKS = Counter(
     "pdserve_shadow_checks_total",
     "Requests recomputed colocated to check P/D's tokens (router/shadow_verification.py), by outcome: "

@@ -24,7 +24,14 @@ from typing import AsyncIterator, Literal, Mapping
 import ray
 from ray.exceptions import RayActorError
 
-from messages.errors import DecodeFailedError, FeedLostError, LegStalledError, NoWorkerError, PrefillTimeoutError
+from messages.errors import (
+    DecodeFailedError,
+    FeedLostError,
+    LegStalledError,
+    NoWorkerError,
+    PrefillTimeoutError,
+    TransferFailedError,
+)
 from messages.requests import GenerateRequest, ModelLimits
 from messages.results import FEED_HEARTBEAT_S, GenerationResult, PrefillResult, TokenChunk
 from configuration.fields import knob
@@ -41,13 +48,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True, slots=True)
 class RouterPolicy:
-    # Transfer failures follow vLLM's `load_failure_policy` instead.
+    # A failed transfer is vLLM's `load_failure_policy` first ("recompute": decode computes
+    # the prompt itself and nothing reaches the router), then `transfer_retries`.
     on_decode_failure: Literal["migrate", "fail"] = knob(
         "migrate",
         help="a decode engine died or went silent (--stall-timeout-s) mid-stream: resume on another one, "
         "or end the stream with UNAVAILABLE",
     )
     max_migrations: int = knob(2, help="resumes one request may make before it fails")
+    transfer_retries: int = knob(
+        1,
+        help="times a request is prefilled again when decode could not load its handed-off state (a transfer "
+        "digest mismatch, a producer lost before the pull) before it fails with UNAVAILABLE",
+    )
     # At least 3 on CPU hybrids: prefill may compute N-1 tokens and vLLM 0.32's CPU conv
     # kernel fails on 1-token prefills. vLLM's own kv_recompute_threshold is 64.
     local_prefill_below: int = knob(3, help="prompts shorter than this prefill on the decode engine (no transfer)")
@@ -88,6 +101,8 @@ class RouterPolicy:
             raise ValueError(f"decode_cache_slack must be >= 0, got {self.decode_cache_slack}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.transfer_retries < 0:
+            raise ValueError(f"transfer_retries must be >= 0, got {self.transfer_retries}")
         if not 0 <= self.verify_fraction <= 1:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
         if self.verify_tokens < 1:
@@ -175,7 +190,7 @@ class Orchestrator:
         request.validate(self.limits)  # cheap, and before any engine holds blocks for it
         progress = _Progress()
         first_leg: tuple[PrefillResult | None, float] | None = None  # the leg the timings describe
-        migrations = 0
+        migrations = retries = 0
         decode_member: Member | None = None
         shadowed = self.shadow is not None and self.shadow.wants(request)
         served: list[float] = []  # the emitted tokens' logprobs, for the shadow check
@@ -222,6 +237,24 @@ class Orchestrator:
                 async for chunk in self._decode(decode_member, leg, handle, progress, first):
                     yield out(chunk)
                 break
+            # Decode refused the pulled state before running on it (its digests did not match
+            # the producer's, or the producer went before the pull): the engine is fine, the
+            # handoff is not. Prefill again, from the tokens the client already has.
+            except TransferFailedError as err:
+                if retries >= self.policy.transfer_retries:
+                    raise
+                retries += 1
+                metrics.HANDOFF_RETRIES.inc()
+                log.warning(
+                    "%s: decode %s could not load the handoff (%s): prefilling again",
+                    request.request_id,
+                    decode_member.name,
+                    err,
+                )
+                current = legs.continued(tuple(progress.token_ids))
+                if current.sampling.max_tokens < 1:  # prefill's token was the last
+                    progress.finish_reason = "length"
+                    break
             # The decode actor died, or went silent (stuck, or cut off from this router): out of
             # this router's rotation until a load poll reaches it again.
             except (RayActorError, FeedLostError, LegStalledError) as err:
@@ -253,7 +286,7 @@ class Orchestrator:
         )
         # Only a single P/D leg is checked: a migrated or locally prefilled stream has no one
         # handoff to blame.
-        if shadowed and migrations == 0 and prefill is not None and decode_member is not None:
+        if shadowed and migrations == retries == 0 and prefill is not None and decode_member is not None:
             self.shadow.start(
                 legs, progress.token_ids, served, prefill_member.name, decode_member.name, decode_member.actor
             )

@@ -356,3 +356,37 @@ def test_transfer_digests_catch_a_flipped_bit_a_shifted_block_table_and_a_missin
     assert_matches(run(decode_after(decode, result, request)), reference["x"])
     assert checks().get("checked", 0) - checks_before.get("checked", 0) == 4 and failures() == after
     assert_no_blocks_held(dep)
+
+
+def test_a_request_whose_handoff_fails_its_digests_is_prefilled_again_with_the_right_tokens(deployment, reference):
+    """Through the router under this deployment's load policy (fail): a bit flipped in the
+    first handoff's state on the producer, after its digests; decode refuses the load, the
+    router prefills the request again (--transfer-retries) and the client gets the reference
+    tokens, once each."""
+    from router import metrics
+
+    dep, orchestrator = deployment
+    prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
+    layout = ray_get(prefill.state_layout.remote())
+    failures = engine_counter(decode, "pdserve_handoff_integrity_failures", "kind").get("state", 0)
+    retries = metrics.HANDOFF_RETRIES._value.get()
+    real, tampered = orchestrator._prefill_or_local, []
+
+    async def tampering_with_the_first(leg):  # the fault, at the moment it would happen
+        member, result = await real(leg)
+        if not tampered:
+            tampered.append(tamper_state(prefill, state_slots(layout, result.handle), "flip_a_byte"))
+        return member, result
+
+    orchestrator._prefill_or_local = tampering_with_the_first
+    request = dataclasses.replace(make_request("x", "digest-retry"), cache_salt="tampered-retry")
+    try:
+        tokens, result = run(collect(orchestrator.generate(request)))
+    finally:
+        del orchestrator._prefill_or_local
+    assert tampered == [[1]]
+    assert_matches(tokens, reference["x"])
+    assert result.completion_tokens == MAX_TOKENS and result.migrations == 0
+    assert engine_counter(decode, "pdserve_handoff_integrity_failures", "kind").get("state", 0) == failures + 1
+    assert metrics.HANDOFF_RETRIES._value.get() == retries + 1
+    assert_no_blocks_held(dep)

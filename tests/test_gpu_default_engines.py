@@ -11,7 +11,7 @@ import dataclasses
 import psutil
 import pytest
 import ray
-from conftest import assert_no_blocks_held, run
+from conftest import assert_no_blocks_held, engine_counter, run
 from reference import assert_matches, collect, make_request
 
 from controller.deployment import Deployment, DeploymentConfig
@@ -44,9 +44,13 @@ def test_each_engine_core_runs_in_its_own_process(deployment):
 @pytest.mark.parametrize("name", ["over_one_block", "long"])
 def test_async_compiled_engines_disaggregated_equal_eager_colocated(deployment, reference, name):
     dep, orchestrator = deployment
+    decode = dep.decode.members[0].actor
+    before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome").get("checked", 0)
     tokens, result = run(collect(orchestrator.generate(make_request(name, f"async-{name}"))))
     assert_matches(tokens, reference[name])
     assert result.timings.transfer_bytes.deltanet_state > 0
+    # The engine core's worker process checked the pulled state against the producer's digests.
+    assert engine_counter(decode, "pdserve_handoff_digest_checks", "outcome").get("checked", 0) == before + 1
     assert_no_blocks_held(dep)
 
 

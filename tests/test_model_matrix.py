@@ -123,6 +123,10 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
     assert moved.deltanet_state == plan.bytes_moved_state
     assert dep.capacities["prefill-0"].block_size == plan.block_size
+    # What the engines report they hold per max-length request (a sliding window only its
+    # window's blocks, by vLLM's own rule) is what the plan computed from config.json.
+    max_len = plan.inputs.max_model_len
+    assert {c.blocks_per_max_length_request for c in dep.capacities.values()} == {plan.blocks_for(max_len)}
 
     # Again: the prefill engine reuses the prompt's whole blocks (up to a state checkpoint on
     # the hybrids) and the logprobs do not move.

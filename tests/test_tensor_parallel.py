@@ -64,9 +64,16 @@ def test_tp2_to_tp2_over_grpc_equals_colocated_tp2(served_tp2, reference_tp2, na
     request = build_request(
         list(PROMPTS[name]), f"tp2-{name}", max_tokens=len(reference_tp2[name].tokens), ignore_eos=True
     )
+    decode = served_tp2.dep.decode.members[0].actor
+    checks = lambda: engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")  # noqa: E731
+    before = checks()
     tokens, _, final = served_tp2.call(lambda ch: stream_tokens(ch, request))
     assert_matches(tokens, reference_tp2[name])
     assert final.prefill_worker == "prefill-0" and final.timings.attention_kv_bytes > 0
+    # Each decode rank checked what it read from its producer rank (the digests reach the
+    # rank processes in the scheduler's step metadata).
+    after = checks()
+    assert {o: after.get(o, 0) - before.get(o, 0) for o in ("checked", "unchecked")} == {"checked": 1, "unchecked": 0}
     assert_no_blocks_held(served_tp2.dep)
 
 

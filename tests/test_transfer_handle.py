@@ -56,3 +56,18 @@ def test_expired_or_nearly_expired_handle_is_refused():
     time.sleep(0.6)
     with pytest.raises(HandleExpiredError, match="expired"):
         handle.check_usable(margin_s=0.0)
+
+
+def test_a_sliding_window_group_counts_only_its_window_per_request():
+    """Capacity per max-length request: 1 state slot per DeltaNet group, every block of a
+    full-attention group, and a sliding-window group's window (vLLM's own bound, kept in the
+    layout) rather than the whole length."""
+    sliding = StateLayout(
+        groups=(CacheGroup(GroupKind.ATTENTION, 2, 1024, 128), CacheGroup(GroupKind.ATTENTION, 4, 1024, 128, 3)),
+        num_blocks=701,
+    )
+    capacity = sliding.capacity(max_model_len=8192, max_num_seqs=64, prefix_caching=True)
+    assert capacity.blocks_per_max_length_request == 64 + 3
+    assert capacity.max_concurrent_max_length_requests == 700 // 67
+    assert LAYOUT.capacity(1000, 8, False).blocks_per_max_length_request == 3 + 4
+    assert StateLayout.from_dict(sliding.to_dict()) == sliding

@@ -121,7 +121,7 @@ class EngineLoop:
         from kv_transfer.layout import StateLayout
 
         tp = self._engine.vllm_config.parallel_config.tensor_parallel_size
-        return StateLayout.from_kv_cache_config(self._scheduler.kv_cache_config, tp)
+        return StateLayout.from_kv_cache_config(self._scheduler.kv_cache_config, tp, self._engine.vllm_config)
 
     async def generate(
         self, request_id: str, prompt: dict[str, Any], params: "SamplingParams"

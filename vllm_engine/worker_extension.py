@@ -12,7 +12,8 @@ class RankMethods:
     def pdserve_state_layout(self) -> dict[str, Any]:
         from kv_transfer.layout import StateLayout
 
-        return StateLayout.from_kv_cache_config(self.model_runner.kv_cache_config).to_dict()  # type: ignore[attr-defined]
+        runner = self.model_runner  # type: ignore[attr-defined]
+        return StateLayout.from_kv_cache_config(runner.kv_cache_config, vllm_config=runner.vllm_config).to_dict()
 
     def pdserve_transfer_digests(self, logical_block_ids: list[list[int]]) -> list[list[list[int]]]:
         """This rank's digests of a finished request's held blocks (kv_transfer.digests)."""
