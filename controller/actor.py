@@ -2,7 +2,9 @@
 
 It starts the engines (so they belong to it, not to any router: a router that dies takes
 no engine with it), polls their health and load, pre-warms NIXL handshakes, resizes and
-drains, and publishes a `ClusterView` that every router mirrors. Routers are stateless
+drains, and publishes a `ClusterView` that every router mirrors. The engines are detached:
+a controller that is killed or crashes is restarted by Ray and adopts them from its
+checkpoint (controller/checkpoint.py), while the routers route on its last view. Routers are stateless
 request paths that come and go (router/actor.py). With a planner it also changes the split
 as the traffic the routers report shifts (controller/planning.py).
 """
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +23,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from controller.admission_grants import AdmissionGrants
+from controller.checkpoint import GcsRecord
 from controller.deployment import Deployment, DeploymentConfig
 from kv_transfer.link_probe import LinkMeasurement
 from controller.planning import PlannerSetup, PlanningLoop
@@ -42,16 +47,20 @@ class PoolController:
     def __init__(
         self,
         config: DeploymentConfig,
+        recovery_key: str,
         health_interval_s: float = 0.5,
         prometheus_sd_file: str | None = None,
         planner: PlannerSetup | None = None,
     ) -> None:
+        """`recovery_key`: where this controller, and any Ray restarts in its place, keep their
+        checkpoint (unique per controller)."""
         from prometheus_client import start_http_server
 
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
         if planner is not None and config.num_prefill == 0:
             raise ValueError("the planner moves engines between prefill and decode: serve with --prefill >= 1")
-        self._deployment = Deployment(config)
+        self._deployment = Deployment(config, recovery_key)
+        self._routers = GcsRecord(f"{recovery_key}/routers")
         self._health_interval_s = health_interval_s
         self._sd_file = Path(prometheus_sd_file) if prometheus_sd_file else None
         self._planner_setup = planner
@@ -62,10 +71,28 @@ class PoolController:
         self._tasks: list[asyncio.Task[None]] = []
         self._resizing = asyncio.Lock()
         self._admission = AdmissionGrants()  # the router tier's in-flight and queue limits, shared out
+        self._started = False
+        context = ray.get_runtime_context()
+        with warnings.catch_warnings():  # Ray's own call of its deprecated actor_id
+            warnings.simplefilter("ignore", DeprecationWarning)
+            restarted = context.was_current_actor_reconstructed
+        if restarted:  # nobody else will call start(): queue it behind this constructor
+            log.warning("controller restarted: adopting its engines")
+            for name, address in (self._routers.load() or {}).items():
+                self._targets[name] = ("router", address)
+            ray.get_actor(context.get_actor_name()).start.remote(adopt=True)
 
-    async def start(self) -> ClusterView:
-        """Start every engine, handshake every pair, then keep polling them (and planning)."""
-        await self._deployment.start()
+    async def start(self, adopt: bool = False) -> ClusterView:
+        """Start every engine (`adopt`: take over the running ones the checkpoint lists),
+        handshake every pair, then keep polling them (and planning)."""
+        if self._started:
+            raise RuntimeError("the controller is started already")
+        self._started = True
+        try:
+            await self._deployment.start(adopt)
+        except Exception:  # a restart's own start() has no caller to raise to
+            log.exception("the controller could not start its engines")
+            raise
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._watch()))
         if self._planner_setup is not None:
@@ -90,7 +117,7 @@ class PoolController:
         if report is not None and self.planning is not None:
             self.planning.add(report)
         dep = self._deployment
-        if dep.limits is None:
+        if dep.orchestrator is None or dep.limits is None:  # its engines are not all handshaken yet
             raise RuntimeError("the controller is still starting its engines")
         admission = report.admission if report is not None else None
         return ClusterView(
@@ -121,17 +148,23 @@ class PoolController:
             self._targets[name] = ("router", metrics_address)
         else:
             self._targets.pop(name, None)
+        self._save_routers()
 
     def router_left(self, name: str) -> None:
         """A router drained: no metrics to scrape, no share of admission to hold."""
         self._targets.pop(name, None)
         self._admission.forget(name)
+        self._save_routers()
+
+    def _save_routers(self) -> None:
+        self._routers.save({name: address for name, (kind, address) in self._targets.items() if kind == "router"})
 
     def shutdown(self) -> None:
         """Stop polling (and planning) and kill every engine (the caller then kills this actor)."""
         for task in self._tasks:
             task.cancel()
         self._deployment.shutdown()
+        self._routers.remove()
 
     async def _watch(self) -> None:
         dep = self._deployment
@@ -152,8 +185,9 @@ def controller_for(
     planner: PlannerSetup | None = None,
 ) -> tuple[Any, bool]:
     """The running controller called `name`, or a new detached one (not yet started): it
-    outlives whoever created it and every router, until `shutdown()` and `ray.kill`.
-    Returns (handle, created)."""
+    outlives whoever created it and every router, until `shutdown()` and `ray.kill`; Ray
+    restarts it as often as it dies (as Ray Serve's controller), and each restart adopts the
+    engines. Returns (handle, created)."""
     try:
         return ray.get_actor(name), False
     except ValueError:
@@ -163,5 +197,6 @@ def controller_for(
     # losing that node would take the controller, and with it every engine it owns. It needs
     # no resources, so that node always has room.
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    handle = PoolController.options(name=name, lifetime="detached", scheduling_strategy=here)
-    return handle.remote(config, prometheus_sd_file=prometheus_sd_file, planner=planner), True
+    handle = PoolController.options(name=name, lifetime="detached", scheduling_strategy=here, max_restarts=-1)
+    key = uuid.uuid4().hex[:8]  # names its engines and checkpoint
+    return handle.remote(config, key, prometheus_sd_file=prometheus_sd_file, planner=planner), True

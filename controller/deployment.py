@@ -4,6 +4,10 @@ Whoever holds the Deployment owns the actors: the controller actor in `pdserve s
 (controller/actor.py), or an in-process router in the demo, tests and benchmarks, which
 then routes with `orchestrator` over the same pools.
 
+Under a controller the engines and their placement groups are detached: they outlive a
+controller that dies, and the one Ray restarts adopts them from the pools' checkpoint
+(controller/checkpoint.py) instead of starting new engines.
+
 Each engine gets its own placement group (one STRICT_PACK bundle: its pool slot plus, on
 GPUs, all TP GPUs of the engine on one node). vLLM's ranks are processes the actor spawns
 (mp executor), so they run inside that reservation; Ray restarts a crashed actor into the
@@ -23,6 +27,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from configuration.fields import knob, section
+from controller.checkpoint import GcsRecord, PoolRecord, load_pools, save_pools
 from kv_transfer.connector_config import TransferConfig
 from kv_transfer.link_probe import LinkMeasurement
 from kv_transfer.metrics import LINK_GBITS
@@ -165,7 +170,9 @@ def check_sizing(config: DeploymentConfig) -> None:
 class Deployment:
     """Owns the actors it started; `shutdown()` kills them all (no zombie actors)."""
 
-    def __init__(self, config: DeploymentConfig) -> None:
+    def __init__(self, config: DeploymentConfig, recovery_key: str | None = None) -> None:
+        """`recovery_key`: the engines outlive this object's process (detached actors), and the
+        pools are checkpointed under the key for a successor to adopt (`start(adopt=True)`)."""
         self.config = config
         self.prefill = Pool("prefill")
         self.decode = Pool("decode")
@@ -177,20 +184,71 @@ class Deployment:
         self._next_core = 0  # CPU cores are handed out in turn
         self._named = {"prefill": 0, "decode": 0, "engine": 0}  # actor names are never reused
         self._placements: dict[str, PlacementGroup] = {}
-        self._id = uuid.uuid4().hex[:8]  # Ray-level names stay unique across deployments
+        self._id = recovery_key or uuid.uuid4().hex[:8]  # Ray-level names stay unique across deployments
+        self._record = GcsRecord(f"{recovery_key}/pools") if recovery_key else None
 
-    async def start(self) -> Orchestrator:
+    async def start(self, adopt: bool = False) -> Orchestrator:
+        """Start the pools' engines; `adopt`: take over those the checkpoint lists (a restarted
+        controller), starting new ones only for a pool left empty."""
         cfg = self.config
         check_sizing(cfg)
-        self._add(self.prefill, cfg.num_prefill)
-        self._add(self.decode, cfg.num_decode)
+        if adopt:
+            self._adopt()
+        for pool, count in ((self.prefill, cfg.num_prefill), (self.decode, cfg.num_decode)):
+            if not pool.members:  # a fresh start, or a pool none of whose engines survived
+                self._add(pool, count)
         members = self.prefill.members + self.decode.members
         await self._ready(members)
         self.limits = await members[0].actor.model_limits.remote()
         await self.health.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
         self.links = await self._measure_links()
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
+        self._checkpoint()
         return self.orchestrator
+
+    def _actor_name(self, name: str) -> str:
+        return f"pdserve-{self._id}-{name}"  # Ray names are cluster-wide: deployments may coexist
+
+    def _placement_name(self, name: str) -> str:
+        return f"pdserve-{name}-{self._id}"
+
+    def _checkpoint(self) -> None:
+        if self._record is not None:
+            pools = PoolRecord(
+                tuple(m.name for m in self.prefill.members),
+                tuple(m.name for m in self.decode.members),
+                tuple(self._named.items()),
+                self._next_core,
+            )
+            save_pools(self._record, pools)
+
+    def _adopt(self) -> None:
+        """Take the checkpoint's engines that still run into the pools (JOINING: the first
+        refresh handshakes them again). Engines of ours it does not list were being added
+        when the predecessor died, and go."""
+        assert self._record is not None, "only a deployment with a recovery key adopts"
+        pools = load_pools(self._record) or PoolRecord((), (), (), 0)
+        prefix = self._actor_name("")
+        running = {n[len(prefix) :] for n in ray.util.list_named_actors() if n.startswith(prefix)}
+        for name in sorted(running - set(pools.prefill + pools.decode)):
+            log.warning("%s: started but not yet recorded by the last controller: stopping it", name)
+            self._remove(self._adopted(name))
+        self._named.update(dict(pools.next_index))
+        self._next_core = pools.next_core
+        for pool, names in ((self.prefill, pools.prefill), (self.decode, pools.decode)):
+            for name in names:
+                if name in running:
+                    pool.members.append(self._adopted(name))
+                else:
+                    log.warning("%s: gone while no controller watched it", name)
+        log.info("adopted %s", ", ".join(m.name for m in self.prefill.members + self.decode.members) or "no engine")
+
+    def _adopted(self, name: str) -> Member:
+        try:
+            self._placements[name] = ray.util.get_placement_group(self._placement_name(name))
+        except ValueError:
+            pass  # its reservation went with it; _ready then waits on the actor alone
+        return Member(name, ray.get_actor(self._actor_name(name)))
 
     async def _measure_links(self) -> list[LinkMeasurement]:
         """One READ of `link_probe_bytes` from every prefill engine by every decode engine, a
@@ -248,6 +306,7 @@ class Deployment:
         await asyncio.gather(*(self._drain(m, drain_timeout_s) for m in leaving))
         for pool in (self.prefill, self.decode):
             pool.members = pool.staying
+        self._checkpoint()
         outcome = ScalingOutcome(decision, before, (len(self.prefill.members), len(self.decode.members)))
         log.info("%s", outcome)
         return outcome
@@ -256,7 +315,9 @@ class Deployment:
         """Wait for each engine's reservation and start-up; record what each can hold."""
         timeout = self.config.placement_timeout_s
         for member in members:
-            placement = self._placements[member.name]
+            placement = self._placements.get(member.name)
+            if placement is None:
+                continue
             try:
                 await asyncio.wait_for(placement.ready(), timeout)
             except asyncio.TimeoutError:
@@ -336,10 +397,14 @@ class Deployment:
             self._next_core += engine.tensor_parallel_size
             gpus = engine.tensor_parallel_size * cfg.gpus_per_rank if engine.device == "cuda" else 0
             bundle = {resource: 1.0, **({"GPU": float(gpus)} if gpus else {})}
-            placement = placement_group([bundle], strategy="STRICT_PACK", name=f"pdserve-{name}-{self._id}")
+            detached = "detached" if self._record is not None else None
+            placement = placement_group(
+                [bundle], strategy="STRICT_PACK", name=self._placement_name(name), lifetime=detached
+            )
             self._placements[name] = placement
             actor = actor_class.options(
-                name=f"pdserve-{self._id}-{name}",  # Ray names are cluster-wide: deployments may coexist
+                name=self._actor_name(name),
+                lifetime=detached,
                 resources={resource: 1},
                 num_gpus=gpus,
                 max_restarts=cfg.max_restarts,
@@ -360,3 +425,5 @@ class Deployment:
             self._remove(member)
         self.prefill.members.clear()
         self.decode.members.clear()
+        if self._record is not None:
+            self._record.remove()

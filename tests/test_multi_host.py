@@ -4,8 +4,8 @@ A Ray head (the routers) and worker nodes (one prefill host, two decode hosts) o
 hosts of one bridge (tests/sandbox.py's `BridgedHosts`). A transfer crosses a real (virtual)
 link, and UCX's own protocol report says which transport it took. Then, under bounded load,
 one fault at a time: packet loss and a bandwidth cap on the prefill <-> decode links, those
-links down for 5 s mid-transfer, a decode host cut off from the router, a decode host lost,
-the prefill host lost. For each: every request completes or ends with a retriable status
+links down for 5 s mid-transfer, the controller killed, a decode host cut off from the
+router, a decode host lost, the prefill host lost. For each: every request completes or ends with a retriable status
 before its deadline, no engine keeps blocks afterwards, and the time until a new request
 succeeds. The table is printed (docs/operations.md holds a run's figures).
 """
@@ -120,14 +120,18 @@ def _engine_loads() -> dict:
 
     from controller.actor import CONTROLLER_NAME
 
-    view = ray.get(ray.get_actor(CONTROLLER_NAME).view.remote(), timeout=10)
+    try:
+        view = ray.get(ray.get_actor(CONTROLLER_NAME).view.remote(), timeout=10)
+    except Exception as error:  # restarting: it answers once it has adopted its engines
+        return {"controller": {"busy": type(error).__name__}}
     loads = {}
     for member in view.prefill + view.decode:
         entry = {"lifecycle": member.lifecycle.value}
         try:
             load = ray.get(member.actor.load.remote(), timeout=5)
             busy = load.running + load.waiting + load.held_for_transfer
-            entry.update(busy=busy, blocks_in_use=load.total_blocks - load.free_blocks)
+            pid = ray.get(member.actor.pid.remote(), timeout=5)
+            entry.update(busy=busy, blocks_in_use=load.total_blocks - load.free_blocks, pid=pid)
         except Exception as error:  # a lost host's engine: gone is not holding anything
             entry["unreachable"] = type(error).__name__
         loads[member.name] = entry
@@ -138,7 +142,8 @@ def drive(target: str, ray_address: str) -> None:
     """Commands: {"do": "start", "offset": N} starts LOAD_REQUESTS generations in the
     background; {"do": "results"} waits for them; {"do": "generate", "prompt_file": F,
     "max_tokens": N} runs one; {"do": "controller_host"} is the controller's node address;
-    {"do": "loads"} reports the engines."""
+    {"do": "kill_controller"} kills the controller actor (Ray restarts it); {"do": "loads"}
+    reports the engines."""
     import ray
 
     ray.init(address=ray_address, namespace="pdserve", log_to_driver=False)
@@ -167,6 +172,11 @@ def drive(target: str, ray_address: str) -> None:
 
             controller = ray.get_actor(CONTROLLER_NAME)
             answer = ray.get(controller.__ray_call__.remote(lambda _: ray.util.get_node_ip_address()))
+        elif command["do"] == "kill_controller":
+            from controller.actor import CONTROLLER_NAME
+
+            ray.kill(ray.get_actor(CONTROLLER_NAME), no_restart=False)
+            answer = {}
         elif command["do"] == "generate":
             prompt = json.loads(open(command["prompt_file"]).read())
             answer = asyncio.run(_generate(target, prompt, command["max_tokens"]))
@@ -332,6 +342,11 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
         return lambda: [hosts.drop("prefill", d, percent) for d in DECODE_HOSTS]
 
     under_load("none")
+    engines = {name: e["pid"] for name, e in driver.ask(do="loads").items()}
+    under_load("controller killed", during=lambda: (time.sleep(0.5), driver.ask(do="kill_controller")))
+    # Ray restarted the controller, which adopted the engines it had: none was started anew.
+    assert {name: e["pid"] for name, e in driver.ask(do="loads").items()} == engines
+    assert driver.ask(do="controller_host") == head
     under_load("1% loss, prefill <-> decode", before=between_prefill_and_decode(1))
     under_load("5% loss, prefill <-> decode", before=between_prefill_and_decode(5))
     under_load("decode links capped at 1 Gbit/s", before=lambda: [hosts.cap(d, "1gbit") for d in DECODE_HOSTS])

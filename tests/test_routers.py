@@ -5,13 +5,15 @@ router joins, and routers that pick independently still balance the decode pool.
 controller's closed-loop planner moves the split with the traffic (it holds until then:
 no earlier test finishes its minimum of requests in one interval). The engines run both NIXL
 roles (`switch_roles`), so the planner's change moves an engine between the pools without a
-restart (tests/test_resize.py covers the restarting kind)."""
+restart (tests/test_resize.py covers the restarting kind). Then the controller is killed,
+and Ray's restart of it adopts the engines where they are."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import time
 import uuid
 
 import grpc
@@ -351,6 +353,55 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
     for tokens, _, _ in results:
         assert_matches(tokens, reference["over_one_block"])
     assert {final.prefill_worker for _, _, final in results} == {m.name for m in after.prefill}
+
+
+def test_a_killed_controller_comes_back_with_its_engines_in_their_pools(ray_cluster, controller, routers, reference):
+    """Ray restarts a killed controller, and the new one adopts the running engines from its
+    checkpoint: the same engine processes, each in the pool it served (after the planner's
+    move, which names alone do not say), none restarted. A stream started before the kill
+    finishes meanwhile: the routers route on the last view."""
+    from reference import assert_matches
+
+    def pid(actor) -> int:
+        return ray_cluster.get(actor.__ray_call__.remote(lambda _: os.getpid()))
+
+    before = ray_cluster.get(controller.view.remote())
+    engines = {
+        pool: {m.name: pid(m.actor) for m in members}
+        for pool, members in (("prefill", before.prefill), ("decode", before.decode))
+    }
+    old_controller = pid(controller)
+    name = "over_one_block"
+
+    async def stream_across_the_kill():
+        async with grpc.aio.insecure_channel(routers[0][1]) as channel:
+            request = build_request(
+                list(PROMPTS[name]), "across-kill", max_tokens=len(reference[name].tokens), ignore_eos=True
+            )
+            streaming = asyncio.ensure_future(stream_tokens(channel, request))
+            await asyncio.sleep(0.3)
+            ray_cluster.kill(controller, no_restart=False)
+            return await streaming
+
+    tokens, _, _ = run(stream_across_the_kill())
+    assert_matches(tokens, reference[name])
+
+    def back() -> bool:
+        try:
+            return pid(controller) != old_controller and ray_cluster.get(controller.view.remote()) is not None
+        except Exception:  # restarting, or adopting its engines
+            return False
+
+    started = time.monotonic()
+    assert wait_until(back, 60, 0.2), "the controller did not come back"
+    print(f"controller back and serving its view {time.monotonic() - started:.1f} s after the kill")
+    after = ray_cluster.get(controller.view.remote())
+    assert {
+        pool: {m.name: pid(m.actor) for m in members}
+        for pool, members in (("prefill", after.prefill), ("decode", after.decode))
+    } == engines
+    assert all(m.lifecycle is Lifecycle.LIVE for m in after.prefill + after.decode)
+    assert wait_until(lambda: _engines_idle(ray_cluster, controller), 5), "blocks still held"
 
 
 def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster, controller, model_path):
