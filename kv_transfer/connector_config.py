@@ -154,13 +154,16 @@ class SideChannel:
         }
 
 
-def prefill_backoff(model_config: Any) -> int:
+def prefill_backoff(vllm_config: Any) -> int:
     """Trailing prompt tokens NixlConnector's producer leaves for its consumer to compute, as
-    vLLM 0.32 counts them (`NixlConnectorScheduler._prefill_backoff`) without speculative
-    decoding, which pdserve does not configure: 1 on models with a recurrent (Mamba-family)
-    state, which must stop before the last prompt token because it cannot be rewound; 0 on
-    attention-only models. A handle for N prompt tokens is decoded with N + this many."""
-    return int(model_config.is_hybrid or model_config.is_attention_free)
+    vLLM 0.32 counts them (`NixlConnectorScheduler._prefill_backoff`): 1 on models with a
+    recurrent (Mamba-family) state, which must stop before the last prompt token because it
+    cannot be rewound; with a multi-module MTP draft, its lookahead less one (the drafts
+    prefill would embed in those layers' KV); else 0. A handle for N prompt tokens is
+    decoded with N + this many."""
+    model_config = vllm_config.model_config
+    recurrent = int(model_config.is_hybrid or model_config.is_attention_free)
+    return max(recurrent, vllm_config.num_prefill_lookahead_tokens - 1)
 
 
 def engine_id_for(role: Role, worker_name: str, channel: SideChannel) -> str:

@@ -33,6 +33,9 @@ class ModelLimits:
     # vLLM 0.32's CPU Gated-DeltaNet conv kernel fails on a 1-token prefill, so hybrids on
     # CPU need prompts of 2+ tokens (GPU kernels and attention-only models do not).
     min_prompt_tokens: int = 1
+    # The engines speculate (draft tokens verified in one step): vLLM then runs no custom
+    # logits processors (teacher forcing) and ignores min_p and logit_bias.
+    speculative: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +149,16 @@ class SamplingConfig:
             raise InvalidRequestError(
                 "forced_tokens", f"at most max_tokens ids in [0, {limits.vocab_size}); got {len(self.forced_tokens)}"
             )
+        if limits.speculative:
+            for name, value in (
+                ("min_p", self.min_p),
+                ("logit_bias", self.logit_bias),
+                ("forced_tokens", self.forced_tokens),
+            ):
+                if value:
+                    raise InvalidRequestError(
+                        name, "not applied by engines that decode speculatively (--speculative-method): leave it unset"
+                    )
         self._validate_vllm_extras(limits)
 
     def _validate_vllm_extras(self, limits: ModelLimits) -> None:

@@ -40,6 +40,8 @@ class TokenChunk(PicklesPositionally):
     # first, which has no context), entries of (token id, logprob, rank, the engine's text of
     # the token) in vLLM's order, the prompt's own token first.
     prompt_logprobs: tuple[tuple[tuple[int, float, int, str | None], ...] | None, ...] = ()
+    # On a leg's last chunk, under speculative decoding: (draft tokens proposed, accepted).
+    drafts: tuple[int, int] = ()
 
     @classmethod
     def joined(cls, chunks: "list[TokenChunk]") -> "TokenChunk":
@@ -53,6 +55,7 @@ class TokenChunk(PicklesPositionally):
             logprob_texts=tuple(p for c in chunks for p in c.logprob_texts),
             cached_tokens=chunks[0].cached_tokens,
             prompt_logprobs=chunks[0].prompt_logprobs,
+            drafts=chunks[-1].drafts,
         )
 
 
@@ -137,3 +140,6 @@ class GenerationResult:
     migrations: int = 0
     # Prompt tokens served from a prefix cache on the engine that prefilled the prompt.
     cached_tokens: int = 0
+    # Speculative decoding: draft tokens the decode engines proposed, and accepted.
+    draft_tokens: int = 0
+    accepted_draft_tokens: int = 0

@@ -74,6 +74,8 @@ def encode_final(request_id: str, result: GenerationResult) -> pb.GenerateRespon
                 prompt_tokens=result.prompt_tokens,
                 completion_tokens=result.completion_tokens,
                 cached_tokens=result.cached_tokens,
+                draft_tokens=result.draft_tokens,
+                accepted_draft_tokens=result.accepted_draft_tokens,
             ),
             timings=pb.Timings(
                 queue_s=t.queue_s,

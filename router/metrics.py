@@ -87,6 +87,9 @@ PROMPT_TOKENS = Counter("pdserve_request_prompt_tokens_total", "Prompt tokens of
 CACHED_TOKENS = Counter(
     "pdserve_request_cached_tokens_total", "Prompt tokens of finished requests served from a prefix cache"
 )
+DRAFT_TOKENS = Counter(
+    "pdserve_draft_tokens_total", "Speculative decoding's draft tokens of finished requests, by outcome", ["outcome"]
+)
 PREDICTED_CACHED_TOKENS = Counter(
     "pdserve_predicted_cached_tokens_total", "Prompt tokens the picked prefill engine said it held, when asked"
 )
@@ -130,6 +133,9 @@ def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (o
     MIGRATIONS.inc(result.migrations)
     PROMPT_TOKENS.inc(result.prompt_tokens)
     CACHED_TOKENS.inc(result.cached_tokens)
+    if result.draft_tokens:
+        DRAFT_TOKENS.labels("accepted").inc(result.accepted_draft_tokens)
+        DRAFT_TOKENS.labels("rejected").inc(result.draft_tokens - result.accepted_draft_tokens)
 
 
 def observe_pool(pool: Pool) -> None:

@@ -150,6 +150,7 @@ class _Progress:
     # Of the first leg's prompt: the prefill engine's prefix-cache hits, or the decode
     # engine's where it prefilled the prompt itself.
     cached_tokens: int | None = None
+    drafts: tuple[int, int] = (0, 0)  # (proposed, accepted), every leg's
 
     def add(self, chunk: TokenChunk) -> None:
         now = time.perf_counter()
@@ -157,6 +158,8 @@ class _Progress:
         self.token_times.extend([now] * len(chunk.token_ids))
         if self.cached_tokens is None:
             self.cached_tokens = chunk.cached_tokens
+        if chunk.drafts:
+            self.drafts = (self.drafts[0] + chunk.drafts[0], self.drafts[1] + chunk.drafts[1])
         if chunk.finish_reason is not None:
             self.finish_reason = chunk.finish_reason
 
@@ -283,6 +286,8 @@ class Orchestrator:
             decode_worker=decode_member.name if decode_member else "",
             migrations=migrations,
             cached_tokens=progress.cached_tokens or 0,
+            draft_tokens=progress.drafts[0],
+            accepted_draft_tokens=progress.drafts[1],
         )
         # Only a single P/D leg is checked: a migrated or locally prefilled stream has no one
         # handoff to blame.

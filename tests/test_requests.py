@@ -156,3 +156,19 @@ def test_a_bad_structured_output_is_refused_by_name(structured, says):
     with pytest.raises(InvalidRequestError, match=says) as err:
         GenerateRequest("r", (1, 2), SamplingConfig(structured=structured)).validate(LIMITS)
     assert err.value.field == "structured_outputs"
+
+
+@pytest.mark.parametrize(
+    ("sampling", "field"),
+    [
+        (SamplingConfig(min_p=0.1), "min_p"),
+        (SamplingConfig(logit_bias=((3, 5.0),)), "logit_bias"),
+        (SamplingConfig(forced_tokens=(3,)), "forced_tokens"),
+    ],
+)
+def test_what_speculating_engines_would_ignore_is_refused_by_name(sampling, field):
+    speculative = ModelLimits(max_model_len=128, vocab_size=100, speculative=True)
+    with pytest.raises(InvalidRequestError) as err:
+        GenerateRequest("r", (1, 2), sampling).validate(speculative)
+    assert err.value.field == field and "--speculative-method" in str(err.value)
+    GenerateRequest("r", (1, 2), sampling).validate(LIMITS)  # without speculation: fine

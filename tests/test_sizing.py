@@ -297,3 +297,41 @@ def test_an_engine_at_a_positive_niceness_is_named_at_start_up():
     assert "nice" not in capacity.summary()
     niced = dataclasses.replace(capacity, niceness=15).summary()
     assert "nice 15" in niced and "RAY_worker_niceness=0" in niced
+
+
+def test_qwen35_27b_with_its_mtp_layer_as_the_draft():
+    """`--speculative-method mtp`: the MTP layer is one more full-attention layer in the cache
+    (17 with the model's 16, so groups of 17 layers), and each DeltaNet conv state holds one
+    more position per draft token (vLLM's num_spec)."""
+    shape = ModelShape.from_config({**QWEN35_27B, "mtp_num_hidden_layers": 1})
+    assert shape.mtp_layers == 1
+    plan = plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=4, speculative_method="mtp"))
+    assert plan.draft_layers == 1
+    assert plan.kv_bytes_per_token == 17 * 2 * 4 * 256 * 2
+    assert plan.conv_bytes_per_request == 48 * (3 + 1) * 10240 * 2
+    assert (plan.layers_per_group, plan.num_linear_groups, plan.num_full_groups) == (17, 3, 1)
+    assert plan.bytes_moved_attention == math.ceil(2000 / plan.block_size) * plan.block_size * 17 * 2 * 4 * 256 * 2
+    without = plan_engine(shape, SizingInputs(device="cuda", tensor_parallel_size=4))
+    assert without.draft_layers == 0 and without.kv_bytes_per_token == 16 * 2 * 4 * 256 * 2
+
+
+@pytest.mark.parametrize(
+    ("config", "inputs", "message"),
+    [
+        (QWEN35_27B, dict(device="cuda"), "declares no MTP layers"),
+        (
+            {**QWEN35_27B, "mtp_num_hidden_layers": 1},
+            dict(device="cpu", kv_cache_bytes=GiB),
+            "--no-enable-prefix-caching",
+        ),
+    ],
+)
+def test_an_mtp_draft_that_cannot_run_is_refused_saying_why(config, inputs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_engine(ModelShape.from_config(config), SizingInputs(speculative_method="mtp", **inputs))
+
+
+def test_a_separate_draft_models_kv_is_not_sized():
+    with pytest.raises(ValueError, match="not a separate draft model"):
+        plan_engine(ModelShape.from_config(QWEN35_27B), SizingInputs(device="cuda", speculative_method="eagle3"))
+    plan_engine(ModelShape.from_config(QWEN35_27B), SizingInputs(device="cuda", speculative_method="ngram"))

@@ -86,6 +86,12 @@ class EngineConfig:
     engine_path: EnginePath = knob(
         "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"
     )
+    # Both pools: prefill's draft layers fill their KV for the prompt, which moves with the rest.
+    speculative_method: str | None = knob(
+        None,
+        help="speculative decoding with vLLM's draft method, e.g. 'mtp' (the model's own MTP layers, as Qwen3.5 ships)",
+    )
+    num_speculative_tokens: int = knob(1, help="draft tokens per decode step, with --speculative-method")
     seed: int = knob(0, help="engine seed (vLLM's --seed)")
     # xgrammar reads it per engine, not per request; small models left free whitespace can
     # loop on newlines inside a JSON output until max_tokens.
@@ -114,7 +120,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -156,6 +162,18 @@ class EngineConfig:
             return StructuredOutputsConfig()  # vLLM's "auto" backend choice
         return StructuredOutputsConfig(backend="xgrammar", disable_any_whitespace=True)  # vLLM: xgrammar or guidance
 
+    def _speculative_args(self) -> dict[str, Any]:
+        if self.speculative_method is None:
+            return {}
+        return {
+            "speculative_config": {
+                "method": self.speculative_method,
+                "num_speculative_tokens": self.num_speculative_tokens,
+            },
+            # Each request's accepted drafts, reported with its last output (messages.results).
+            "per_request_spec_decode_metrics": "summary",
+        }
+
     def engine_args(
         self, kv_transfer_config: Any = None, kv_events_config: Any = None, **overrides: Any
     ) -> "EngineArgs":
@@ -182,9 +200,10 @@ class EngineConfig:
             structured_outputs_config=self._structured_outputs_config(),
             kv_transfer_config=kv_transfer_config,
             kv_events_config=kv_events_config,
-            logits_processors=[TEACHER_FORCING],
+            # vLLM runs no custom logits processor under speculative decoding (and refuses one).
+            logits_processors=[] if self.speculative_method else [TEACHER_FORCING],
             worker_extension_cls=WORKER_EXTENSION,
-            **{**self.extra_engine_args, **overrides},
+            **{**self._speculative_args(), **self.extra_engine_args, **overrides},
         )
 
 

@@ -85,6 +85,9 @@ def start_engine(config: EngineConfig, wiring: EngineWiring = EngineWiring()) ->
 def exit_for_restart(exc: BaseException) -> None:
     """`on_fatal` for engines inside a supervised process (a Ray actor): die loudly so the
     supervisor restarts a fresh engine, instead of lingering as a zombie that accepts work."""
+    import traceback
+
+    traceback.print_exception(exc, file=sys.stderr)
     print(f"vLLM engine failed, exiting for restart: {exc!r}", file=sys.stderr, flush=True)
     os._exit(70)
 
@@ -96,7 +99,12 @@ def model_limits(vllm_config: Any) -> ModelLimits:
 
     model_config = vllm_config.model_config
     hybrid_on_cpu = current_platform.is_cpu() and model_config.is_hybrid
-    return ModelLimits(model_config.max_model_len, model_config.get_vocab_size(), 2 if hybrid_on_cpu else 1)
+    return ModelLimits(
+        model_config.max_model_len,
+        model_config.get_vocab_size(),
+        2 if hybrid_on_cpu else 1,
+        speculative=vllm_config.speculative_config is not None,
+    )
 
 
 def prepare_process(config: EngineConfig, env: Mapping[str, str]) -> None:

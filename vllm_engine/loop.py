@@ -115,7 +115,7 @@ class EngineLoop:
     def prefill_backoff(self) -> int:
         from kv_transfer.connector_config import prefill_backoff
 
-        return prefill_backoff(self._engine.vllm_config.model_config)
+        return prefill_backoff(self._engine.vllm_config)
 
     async def state_layout(self) -> "StateLayout":
         from kv_transfer.layout import StateLayout

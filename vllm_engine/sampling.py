@@ -104,7 +104,15 @@ def token_chunk(output: "RequestOutput", finish_reason: str | None) -> TokenChun
         texts,
         output.num_cached_tokens or 0,
         _prompt_logprobs(output.prompt_logprobs),
+        _drafts(completion.spec_decode_metrics),
     )
+
+
+def _drafts(spec) -> tuple[int, int]:  # noqa: ANN001 (vLLM's RequestSpecDecodeMetrics)
+    """(proposed, accepted): histogram[j] counts the verify steps that accepted j drafts."""
+    if spec is None:
+        return ()
+    return spec.num_draft_tokens, sum(j * steps for j, steps in enumerate(spec.histogram))
 
 
 def _prompt_logprobs(positions) -> tuple:  # noqa: ANN001 (vLLM's PromptLogprobs)

