@@ -28,7 +28,7 @@ from router.orchestrator import RouterPolicy
 
 
 FAIL_LEASE_S = 10
-SOAK_REQUESTS = 60
+SOAK_REQUESTS = 40
 SOAK_CONCURRENCY = 12
 CLEAN_ERRORS = (DecodeFailedError, NoWorkerError, TransferFailedError)
 
@@ -212,7 +212,7 @@ def test_a_handoff_whose_digest_fails_is_recomputed_on_decode(recompute_policy, 
 
 @pytest.mark.slow
 def test_soak_with_cancellations_and_a_kill(recompute_policy):
-    """Last: 60 requests (random lengths, a quarter cancelled by their client) with a decode
+    """Last: 40 requests (random lengths, a quarter cancelled by their client) with a decode
     actor killed mid-run, bounded in count and time. Afterwards no engine holds a block and
     every stream ended with its tokens or a clean error."""
     dep, orchestrator = recompute_policy

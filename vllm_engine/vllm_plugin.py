@@ -14,6 +14,11 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
   cores, away from the forward (vllm_engine.cpu_affinity).
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
+- A torch.compile cache key that engines share: vLLM keys its compile cache on its
+  environment variables, NIXL's side-channel port and the CPU core binding among them, so
+  with a port and cores of its own no engine ever found another's compiled model, nor its
+  own after a restart. Neither changes the compiled code: the port is left out of the key,
+  and a binding counts by its cores per rank.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ def register() -> None:
     from vllm_engine.cpu_affinity import remember_process_cores
 
     remember_process_cores()  # before vLLM binds this process's threads to the engine's cores
+    _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
         from vllm.platforms import current_platform
@@ -68,3 +74,32 @@ def _place_connector_threads() -> None:
 
     init_placing_threads.keeps_cpu_affinity = True  # type: ignore[attr-defined]
     NixlBaseConnectorWorker.__init__ = init_placing_threads
+
+
+def _share_compile_cache_key() -> None:
+    import vllm.envs as envs
+
+    factors_of = envs.compile_factors
+    if getattr(factors_of, "shared_by_engines", False):
+        return
+
+    @functools.wraps(factors_of)
+    def compile_factors() -> dict[str, object]:
+        factors = factors_of()
+        factors.pop("VLLM_NIXL_SIDE_CHANNEL_PORT", None)
+        binding = factors.get("VLLM_CPU_OMP_THREADS_BIND")
+        if isinstance(binding, str) and binding not in ("", "auto", "nobind", "all"):
+            factors["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(_count_cores(r)) for r in binding.split("|"))
+        return factors
+
+    compile_factors.shared_by_engines = True  # type: ignore[attr-defined]
+    envs.compile_factors = compile_factors
+
+
+def _count_cores(cores: str) -> int:
+    """Cores in a list such as "0-3,8" (VLLM_CPU_OMP_THREADS_BIND's syntax for one rank)."""
+    count = 0
+    for part in cores.split(","):
+        low, _, high = part.partition("-")
+        count += int(high) - int(low) + 1 if high else 1
+    return count
