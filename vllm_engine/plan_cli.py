@@ -20,7 +20,6 @@ PLAN_IGNORES = frozenset(
         "prefill-max-num-batched-tokens",
         "decode-max-num-batched-tokens",
         "enforce-eager",
-        "enable-prefix-caching",
         "engine-path",
         "seed",
         "extra-engine-args",
