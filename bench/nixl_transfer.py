@@ -32,7 +32,11 @@ Seen here: with UCX's defaults the READ goes over cma (process_vm_readv) and com
 inside the post call; with TCP only, UCX emulates GET in software over active messages.
 The in-process baseline is a single-threaded gather by index of the same bytes.
 
-    python -m bench.nixl_transfer [--lengths 1024 ... 32768] [--reps 5] [--transports default tcp]
+    python -m bench.nixl_transfer [--lengths 1024 ... 32768] [--reps 5] [--transports default tcp veth-tcp]
+
+`veth-tcp` puts the two processes in network namespaces of their own, joined by a veth pair
+(root only; `--link-cap 1gbit` adds a tbf cap): TCP over a link between two network stacks, as
+between hosts, where plain `tcp` between two processes of one namespace rides loopback.
 """
 
 from __future__ import annotations
@@ -98,9 +102,16 @@ class HybridLayout:
 class Transport:
     name: str
     ucx_tls: str | None  # None leaves UCX_TLS unset: UCX picks (cma for data + TCP here)
+    # Each process in a network namespace of its own, joined by a veth pair: the TCP path of
+    # two hosts (their own network stacks and link) on one kernel.
+    across_link: bool = False
 
 
-TRANSPORTS = {"default": Transport("default", None), "tcp": Transport("tcp", "tcp")}
+TRANSPORTS = {
+    "default": Transport("default", None),
+    "tcp": Transport("tcp", "tcp"),
+    "veth-tcp": Transport("veth-tcp", "tcp", across_link=True),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +128,7 @@ class BenchConfig:
     # In-process copy threads. One, like the transfer (UCX copies on the polling thread);
     # on this shared 2-core box two OpenMP threads stalled at barriers, 10-100x slower.
     copy_threads: int = 1
+    link_cap: str | None = None  # veth-tcp: a `tc tbf` rate on the link, e.g. "1gbit"
     seed: int = 0
 
     @property
@@ -402,8 +414,14 @@ def _set_ucx_env(transport: Transport) -> None:
         os.environ["UCX_TLS"] = transport.ucx_tls
 
 
-def _child_main(conn: Connection, role: str, transport: Transport, config: BenchConfig) -> None:
-    """Serve the parent's commands; UCX's environment is set before NIXL is imported."""
+def _child_main(
+    conn: Connection, role: str, transport: Transport, config: BenchConfig, netns: str | None = None
+) -> None:
+    """Serve the parent's commands; UCX's environment is set (and the process moved into its
+    network namespace) before NIXL is imported."""
+    if netns is not None:
+        _enter_netns(netns)
+        os.environ["UCX_NET_DEVICES"] = VethLink.DEVICE
     _set_ucx_env(transport)
     torch.set_num_threads(config.copy_threads)
     try:
@@ -422,13 +440,15 @@ def _child_main(conn: Connection, role: str, transport: Transport, config: Bench
 class _Peer:
     """The parent's handle on one child process: commands over a pipe, every wait bounded."""
 
-    def __init__(self, ctx: SpawnContext, role: str, transport: Transport, config: BenchConfig):
+    def __init__(
+        self, ctx: SpawnContext, role: str, transport: Transport, config: BenchConfig, netns: str | None = None
+    ):
         self.role = role
         self.timeout_s = config.reply_timeout_s
         self.conn, child_conn = ctx.Pipe()
         self.process = ctx.Process(
             target=_child_main,
-            args=(child_conn, role, transport, config),
+            args=(child_conn, role, transport, config, netns),
             name=f"nixl-bench-{role}-{transport.name}",
             daemon=True,
         )
@@ -468,10 +488,17 @@ def _pull_once(producer: _Peer, consumer: _Peer, key: RequestKey) -> Sample:
 
 
 def _run_transport(config: BenchConfig, transport: Transport) -> dict[int, list[Sample]]:
+    if not transport.across_link:
+        return _run_pair(config, transport)
+    with VethLink(config.link_cap) as link:
+        return _run_pair(config, transport, link)
+
+
+def _run_pair(config: BenchConfig, transport: Transport, link: "VethLink | None" = None) -> dict[int, list[Sample]]:
     """One producer/consumer pair; repetitions interleave the lengths so noise spreads."""
     ctx = mp.get_context("spawn")
-    producer = _Peer(ctx, "producer", transport, config)
-    consumer = _Peer(ctx, "consumer", transport, config)
+    producer = _Peer(ctx, "producer", transport, config, link.producer if link else None)
+    consumer = _Peer(ctx, "consumer", transport, config, link.consumer if link else None)
     try:
         metadata = producer.reply()
         consumer.reply()
@@ -485,6 +512,80 @@ def _run_transport(config: BenchConfig, transport: Transport) -> dict[int, list[
     finally:
         consumer.close()
         producer.close()
+
+
+class VethLink:
+    """Two network namespaces joined by a veth pair, on addresses of the benchmarking range
+    (198.18.0.0/15, never routed out), removed on exit. Needs root (CAP_NET_ADMIN)."""
+
+    DEVICE = "pdlink"  # the interface's name in both namespaces
+    SUBNET = "198.19.77"
+
+    def __init__(self, cap: str | None = None) -> None:
+        tag = f"{os.getpid() % 100000}"
+        self.producer, self.consumer = f"pdbench-p{tag}", f"pdbench-c{tag}"
+        self.cap = cap
+
+    def __enter__(self) -> "VethLink":
+        if os.geteuid() != 0:
+            raise PermissionError("the veth-tcp transport makes network namespaces: run as root")
+        try:
+            for name in (self.producer, self.consumer):
+                _ip("netns", "add", name)
+            _ip("link", "add", "pdb-p", "netns", self.producer, "type", "veth", "peer", "pdb-c", "netns", self.consumer)
+            for ns, device, host in ((self.producer, "pdb-p", 1), (self.consumer, "pdb-c", 2)):
+                _ip("-n", ns, "link", "set", device, "name", self.DEVICE)
+                _ip("-n", ns, "addr", "add", f"{self.SUBNET}.{host}/30", "dev", self.DEVICE)
+                _ip("-n", ns, "link", "set", self.DEVICE, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+                if self.cap:  # both directions: the READ's data flows producer -> consumer
+                    _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", self.DEVICE, "root", "tbf",
+                         "rate", self.cap, "burst", "256kb", "latency", "50ms")  # fmt: skip
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for name in (self.producer, self.consumer):  # its end of the veth pair goes with it
+            with contextlib.suppress(Exception):
+                _ip("netns", "del", name)
+
+
+def _ip(*args: str) -> None:
+    _run("ip", *args)
+
+
+def _run(*argv: str) -> None:
+    import subprocess
+
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    if result.returncode:
+        raise RuntimeError(f"{' '.join(argv)}: {result.stderr.strip()}")
+
+
+def _enter_netns(name: str) -> None:
+    """Move this process into network namespace `name`, with a /sys of its own that lists that
+    namespace's devices (UCX finds its devices there), as `ip netns exec` does. setns(2) and
+    unshare(2) through libc: os.setns is Python 3.12+."""
+    import ctypes
+
+    clone_newnet, clone_newns = 0x40000000, 0x00020000
+    ms_rec, ms_private = 0x4000, 0x40000
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(ctypes.get_errno(), f"{what} (entering network namespace {name})")
+
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        check(libc.setns(fd, clone_newnet), "setns")
+    finally:
+        os.close(fd)
+    check(libc.unshare(clone_newns), "unshare")
+    check(libc.mount(b"none", b"/", None, ms_rec | ms_private, None), "mount --make-rprivate /")
+    check(libc.mount(b"sysfs", b"/sys", b"sysfs", 0, None), "mount sysfs")
 
 
 # ---- results ----------------------------------------------------------------------------
@@ -594,12 +695,14 @@ def _parse_args() -> tuple[BenchConfig, Path]:
     parser.add_argument(
         "--transports", nargs="+", choices=sorted(TRANSPORTS), default=[t.name for t in defaults.transports]
     )
+    parser.add_argument("--link-cap", help="veth-tcp: cap the link with tc tbf, e.g. 1gbit")
     parser.add_argument("--out", type=Path, default=RESULTS_PATH)
     args = parser.parse_args()
     config = BenchConfig(
         lengths=tuple(args.lengths),
         reps=args.reps,
         transports=tuple(TRANSPORTS[name] for name in args.transports),
+        link_cap=args.link_cap,
     )
     return config, args.out
 

@@ -36,3 +36,16 @@ def test_pull_between_processes_is_intact_and_accounted() -> None:
         assert row.reps == 1
         assert row.gib_per_s > 0 and row.copy_gib_per_s > 0
     assert report.target_met is None  # 32k tokens not measured here
+
+
+@pytest.mark.timeout(180)
+def test_pull_across_a_veth_link_between_namespaces_is_intact() -> None:
+    """`veth-tcp`: producer and consumer each in a network namespace of its own, joined by a
+    veth pair, so the READ crosses a link between two network stacks; the namespaces go after."""
+    import subprocess
+
+    report = measure(BenchConfig(lengths=(1024,), reps=1, transports=(TRANSPORTS["veth-tcp"],)))
+    (row,) = report.rows
+    assert row.transport == "veth-tcp" and row.intact and row.gib_per_s > 0
+    assert row.attention_kv_bytes == 1024 * 64 * KiB
+    assert "pdbench-" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
