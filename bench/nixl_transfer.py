@@ -37,6 +37,7 @@ The in-process baseline is a single-threaded gather by index of the same bytes.
 `veth-tcp` puts the two processes in network namespaces of their own, joined by a veth pair
 (root only; `--link-cap 1gbit` adds a tbf cap): TCP over a link between two network stacks, as
 between hosts, where plain `tcp` between two processes of one namespace rides loopback.
+`veth-default` leaves UCX its pick there: on one kernel it still reads over shared memory.
 """
 
 from __future__ import annotations
@@ -111,6 +112,9 @@ TRANSPORTS = {
     "default": Transport("default", None),
     "tcp": Transport("tcp", "tcp"),
     "veth-tcp": Transport("veth-tcp", "tcp", across_link=True),
+    # What UCX picks across the link: on one kernel it still finds shared memory (cma), which
+    # hosts would not have.
+    "veth-default": Transport("veth-default", None, across_link=True),
 }
 
 
@@ -421,7 +425,8 @@ def _child_main(
     network namespace) before NIXL is imported."""
     if netns is not None:
         _enter_netns(netns)
-        os.environ["UCX_NET_DEVICES"] = VethLink.DEVICE
+        if transport.ucx_tls is not None:  # its TCP on the link, not loopback
+            os.environ["UCX_NET_DEVICES"] = VethLink.DEVICE
     _set_ucx_env(transport)
     torch.set_num_threads(config.copy_threads)
     try:
@@ -651,13 +656,13 @@ def _target_line(report: Report) -> str:
 
 def format_table(config: BenchConfig, report: Report) -> str:
     header = (
-        f"{'transport':<9} {'tokens':>6} {'attn MiB':>9} {'state MiB':>9} {'descs':>6} "
+        f"{'transport':<12} {'tokens':>6} {'attn MiB':>9} {'state MiB':>9} {'descs':>6} "
         f"{'ms':>8} {'GiB/s':>6} {'copy GiB/s':>10} {'ratio':>6} {'intact':>6}"
     )
     lines = [header, "-" * len(header)]
     for r in report.rows:
         lines.append(
-            f"{r.transport:<9} {r.prompt_tokens:>6} {r.attention_kv_bytes / MiB:>9.0f} "
+            f"{r.transport:<12} {r.prompt_tokens:>6} {r.attention_kv_bytes / MiB:>9.0f} "
             f"{r.deltanet_state_bytes / MiB:>9.1f} {r.descriptors:>6} {r.transfer_ms:>8.1f} "
             f"{r.gib_per_s:>6.2f} {r.copy_gib_per_s:>10.2f} {r.ratio:>6.2f} {r.intact!s:>6}"
         )

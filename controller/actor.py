@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 import warnings
@@ -76,11 +77,13 @@ class PoolController:
         with warnings.catch_warnings():  # Ray's own call of its deprecated actor_id
             warnings.simplefilter("ignore", DeprecationWarning)
             restarted = context.was_current_actor_reconstructed
-        if restarted:  # nobody else will call start(): queue it behind this constructor
-            log.warning("controller restarted: adopting its engines")
+        # Nobody calls start() on a controller Ray restarted: the first view request (the
+        # routers ask every health interval) starts the adoption.
+        self._adopt_on_first_view = restarted
+        if restarted:
+            log.warning("controller restarted: it adopts its engines on the first view request")
             for name, address in (self._routers.load() or {}).items():
                 self._targets[name] = ("router", address)
-            ray.get_actor(context.get_actor_name()).start.remote(adopt=True)
 
     async def start(self, adopt: bool = False) -> ClusterView:
         """Start every engine (`adopt`: take over the running ones the checkpoint lists),
@@ -88,11 +91,7 @@ class PoolController:
         if self._started:
             raise RuntimeError("the controller is started already")
         self._started = True
-        try:
-            await self._deployment.start(adopt)
-        except Exception:  # a restart's own start() has no caller to raise to
-            log.exception("the controller could not start its engines")
-            raise
+        await self._deployment.start(adopt)
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._watch()))
         if self._planner_setup is not None:
@@ -102,7 +101,7 @@ class PoolController:
             planner = ClosedLoopPlanner(setup.config, setup.model)
             self.planning = PlanningLoop(planner, self._split, self.resize)
             self._tasks.append(loop.create_task(self.planning.run(setup.config.interval_s)))
-        return self.view()
+        return await self.view()
 
     def _split(self) -> tuple[int, int]:
         dep = self._deployment
@@ -112,8 +111,18 @@ class PoolController:
         """The planner's decisions and split changes (a line each), from line `since` on."""
         return self.planning.log_lines[since:] if self.planning is not None else []
 
-    def view(self, report: RouterReport | None = None) -> ClusterView:
+    async def _adopt(self) -> None:
+        try:
+            await self.start(adopt=True)
+        except Exception:  # crash-only: Ray restarts this controller, which tries again
+            log.exception("adopting the engines failed: exiting for a restart")
+            os._exit(70)
+
+    async def view(self, report: RouterReport | None = None) -> ClusterView:
         """The pools as they are; a router hands over what it saw since it last asked."""
+        if self._adopt_on_first_view:
+            self._adopt_on_first_view = False
+            self._tasks.append(asyncio.get_running_loop().create_task(self._adopt()))
         if report is not None and self.planning is not None:
             self.planning.add(report)
         dep = self._deployment

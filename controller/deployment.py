@@ -201,7 +201,8 @@ class Deployment:
         await self._ready(members)
         self.limits = await members[0].actor.model_limits.remote()
         await self.health.refresh(poll_timeout_s=60)  # handshakes every pair before any traffic
-        self.links = await self._measure_links()
+        # Adopted engines are serving: their links were measured when they started.
+        self.links = [] if adopt else await self._measure_links()
         self.orchestrator = Orchestrator(self.prefill, self.decode, self.limits, cfg.policy)
         self._checkpoint()
         return self.orchestrator
