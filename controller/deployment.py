@@ -73,6 +73,8 @@ class DeploymentConfig:
     )
     # An autoscaler may be adding a node meanwhile.
     placement_timeout_s: float = knob(600.0, help="how long an engine may wait for its placement group")
+    # Loading a large model's weights (and compiling) takes minutes on a GPU node.
+    start_timeout_s: float = knob(1200.0, help="how long a placed engine may take to load its model and start")
     # 0.5 puts a prefill and a decode engine on one GPU (deploy/gpu_smoke.py), whose
     # gpu_memory_utilization must then add up to less than 1.
     gpus_per_rank: float = knob(
@@ -95,8 +97,14 @@ class DeploymentConfig:
                 f"num_prefill {self.num_prefill}, num_decode {self.num_decode}: "
                 "at least one decode engine, prefill 0 or more"
             )
-        if self.max_restarts < 0 or self.placement_timeout_s <= 0 or self.drain_quiet_s < 0:
-            raise ValueError("max_restarts must be >= 0, placement_timeout_s > 0 and drain_quiet_s >= 0")
+        for name, value, low in (
+            ("max_restarts", self.max_restarts, 0),
+            ("drain_quiet_s", self.drain_quiet_s, 0),
+            ("placement_timeout_s", self.placement_timeout_s, 1e-9),
+            ("start_timeout_s", self.start_timeout_s, 1e-9),
+        ):
+            if value < low:
+                raise ValueError(f"{name} {value}: must be {'>= 0' if low == 0 else '> 0'}")
         if self.switch_roles and not self.num_prefill:
             raise ValueError("role switching moves engines between prefill and decode: serve with --prefill >= 1")
         if self.switch_roles and self.prefill_sizing != self.decode_sizing:
@@ -326,7 +334,18 @@ class Deployment:
                     f"{member.name}: no node offered {placement.bundle_specs[0]} on one node within {timeout:.0f}s: "
                     "add nodes of that pool's type (or let the autoscaler), or lower the TP size"
                 ) from None
-        await asyncio.gather(*(m.actor.ready.remote() for m in members))
+        starting = {m.name: asyncio.ensure_future(m.actor.ready.remote()) for m in members}
+        _, late = await asyncio.wait(starting.values(), timeout=self.config.start_timeout_s)
+        if late:
+            for future in late:
+                future.cancel()
+            names = ", ".join(name for name, future in starting.items() if future in late)
+            raise RuntimeError(
+                f"{names}: not started within {self.config.start_timeout_s:g}s of being placed: the engine's "
+                "Ray worker log (worker-*.err on its node) says where it stopped"
+            )
+        for future in starting.values():
+            future.result()  # an engine that failed to start raises here
         capacities = await asyncio.gather(*(m.actor.capacity.remote() for m in members))
         for member, capacity in zip(members, capacities):
             self.capacities[member.name] = member.capacity = capacity

@@ -268,6 +268,24 @@ class BridgedHosts:
         self.box.track(proc)
         return proc
 
+    def report(self, lines: int = 25) -> str:
+        """What each host runs and where its Python processes are stuck (py-spy), and the tail of
+        every Ray worker log that has an error output: for a test that failed to say why."""
+        spy = VENV_BIN / "py-spy"
+        parts = []
+        for name in self.hosts:
+            logs = self.tmp(name) / "ray"
+            parts.append(f"==== {name}: processes")
+            parts.append(self.run(name, "ps -eo pid,etime,pcpu,rss,args --sort=-pcpu | cut -c1-160 | head -12").stdout)
+            stacks = self.run(
+                name, f"for p in $(pgrep -f '^ray::|pdserve serve'); do {spy} dump --nonblocking --pid $p; done", 60
+            )
+            parts.append(f"==== {name}: Python stacks\n{stacks.stdout[-6000:]}")
+            for log in sorted(logs.glob("session_2*/logs/*.err")):
+                if text := log.read_text(errors="replace").strip():
+                    parts.append(f"==== {name}: {log.name}\n" + "\n".join(text.splitlines()[-lines:]))
+        return "\n".join(parts)
+
     def lose(self, name: str) -> None:
         """Every process of the host dies at once, as when a machine loses power."""
         os.kill(self.hosts[name].init_pid, signal.SIGKILL)

@@ -96,6 +96,7 @@ def test_kv_buffers_follow_the_engines_device():
         (["--local-prefill-below", "1"], "local_prefill_below"),
         (["--nixl-progress-poll-us", "10"], "nixl_progress_poll_us"),
         (["--routers", "0"], "routers"),
+        (["--start-timeout-s", "0"], "start_timeout_s"),
         (["--max-engines-per-pool", "0"], "max_pool_size"),
         (["--tls-key", "k.pem"], "--tls-cert"),
         (["--prefill-tp", "2", "--decode-tp", "3"], "prefill TP 2 cannot hand off to decode TP 3"),

@@ -267,7 +267,7 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     start_cluster(hosts, {"prefill": PREFILL_RESOURCE, **dict.fromkeys(DECODE_HOSTS, DECODE_RESOURCE)})
     head = hosts["head"].ip
     target, ray_address = f"{head}:{GRPC_PORT}", f"{head}:{RAY_PORT}"
-    hosts.spawn(
+    serve = hosts.spawn(
         "head",
         f"exec pdserve serve --address {ray_address} --model /root/model --listen {target} --allow-unauthenticated "
         f"--decode {len(DECODE_HOSTS)} --transfer-timeout-s {TRANSFER_TIMEOUT_S} --stall-timeout-s {STALL_TIMEOUT_S}",
@@ -275,7 +275,9 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
         env=client_env(),
     )
     serve_log = sandbox.logs / "serve.log"
-    assert wait_until(lambda: "serving pdserve.v1.Generation" in serve_log.read_text(), 240, 1), serve_log.read_text()
+    serving = "serving pdserve.v1.Generation"
+    started = wait_until(lambda: serving in serve_log.read_text() or serve.poll() is not None, 240, 1)
+    assert started and serve.poll() is None, f"{serve_log.read_text()}\n{hosts.report()}"
     # serve measured each prefill/decode pair's link with a READ across hosts at start-up.
     links = re.findall(r"link (prefill-0 -> decode-\d): .* ([\d.,]+) Gbit/s", serve_log.read_text())
     print("start-up links:", links)
