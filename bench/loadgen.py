@@ -271,12 +271,14 @@ class HTTPTarget:
 
 
 async def _send_http(
-    target: HTTPTarget, spec: RequestSpec, prompt: list[int], run_id: str, started: float, deadline: float
+    target: HTTPTarget, spec: RequestSpec, prompt: list[int] | str, run_id: str, started: float, deadline: float
 ) -> RequestRecord:
-    """As `_send`, through the OpenAI front; logprobs 0 makes each event say how many tokens
-    it carries (its text may hold fewer characters than tokens)."""
+    """As `_send`, through any OpenAI-compatible server; logprobs 0 makes each event say how
+    many tokens it carries (its text may hold fewer characters than tokens). Cached prompt
+    tokens come from the final usage (`prompt_tokens_details`)."""
     body = {"model": target.model, "prompt": prompt, "max_tokens": spec.output_tokens, "ignore_eos": True,
-            "stream": True, "logprobs": 0, "request_id": f"{run_id}-{spec.index}"}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": 0,
+            "request_id": f"{run_id}-{spec.index}"}  # fmt: skip
     sent = time.perf_counter()
     times: list[float] = []
     finish, error, cached = "", "", 0
@@ -294,7 +296,8 @@ async def _send_http(
                         tokens = len((choice.get("logprobs") or {}).get("tokens", ()))
                         times.extend([time.perf_counter() - sent] * tokens)
                         finish = choice["finish_reason"] or finish
-                    cached = (event.get("pdserve_timings") or {}).get("cached_tokens", cached)
+                    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                    cached = details.get("cached_tokens") or cached
     except httpx.TimeoutException:
         error = "DEADLINE_EXCEEDED"
     except httpx.TransportError as err:

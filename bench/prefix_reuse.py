@@ -1,28 +1,32 @@
-"""Prefix reuse on RAG traffic: pdserve routing by where prefixes are cached, against the same
-build routing blind to them and with prefix caching off, side by side in one run on the same
-cores.
+"""Prefix reuse on RAG traffic and in conversations, side by side in one run on the same cores.
 
-The trace (seeded, the same for every system): `--documents` documents of `--document-tokens`
-random token ids, drawn per request by Zipf popularity (`--zipf`), each followed by a fresh
-`--question-tokens` question; `--output-tokens` out; Poisson arrivals at each `--rate`. One
-system is up at a time (an idle engine still costs CPU here), each as `pdserve serve` runs it
-behind the gRPC front: 2 prefill + 1 decode engines asking the prefill engines what they hold
-(`--cache-aware`, the default) or not, and 1 prefill + 1 decode with caching off.
-
-Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, the share of
-prompt tokens served from a prefix cache (the server's own count, per request), the bytes the
-prefill engine's handle offered per request (decode pulls that less its own hits, which
-pdserve_nixl_transfer_bytes on the decode engine counts); then each rate's TTFT p50 ratios,
-cache-aware / cache-blind (issue target <= 0.4) and cache-aware / caching off. Plotted: TTFT
-CDFs and goodput per rate beside the JSON.
+RAG (the default): every system runs as its users run it, behind one OpenAI base URL, and the
+same load generator sends it the same text prompts at the same Poisson arrivals. The trace
+(seeded): `--documents` documents of `--document-tokens` random token ids (as text), drawn per
+request by Zipf popularity (`--zipf`), each followed by a fresh `--question-tokens` question;
+`--output-tokens` out. Systems (`--systems`), one up at a time (an idle engine still costs CPU
+here), each given both cores:
+- pdserve colocated (2 engines), routing by where prefixes are cached, and blind to it;
+- pdserve 1P+1D, cache-aware, and with prefix caching off;
+- two stock vLLM OpenAI servers with prefix caching, one per core, behind SMG (`smg launch`,
+  the gateway a vLLM user would pick) with its `cache_aware` policy, and with `round_robin`.
+pdserve's engines are compiled like the stock servers' (`--pdserve-eager`: its CPU default).
+Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, and the share of
+prompt tokens served from a prefix cache (each server's own count, OpenAI usage
+`prompt_tokens_details.cached_tokens`); then each rate's TTFT p50 ratios of pdserve
+cache-aware to cache-blind (issue target <= 0.4) and to the best stock setup (<= 1.0), and
+goodput ratios. Plotted: TTFT CDFs and goodput per rate beside the JSON. SMG is not in
+pdserve's environment: `pip install smg` into a virtual environment of its own and pass
+`--smg PATH` (default: `smg` on PATH).
 
 `--trace chat`: conversations instead (ChatTrace: a shared system prompt, 4-8 turns, each turn
-sending the history with the model's actual answers), on 1 prefill + 2 decode engines, where
-the choice is which decode engine holds the conversation; reported per system and rate:
-later turns' TTFT p50/p90, their cached share, and the bytes NIXL moved into the decode engines
-per later turn against their handles (target <= 0.3).
+sending the history with the model's actual answers), on 1 prefill + 2 decode engines behind
+pdserve's gRPC front in this process, where the choice is which decode engine holds the
+conversation; reported per system and rate: later turns' TTFT p50/p90, their cached share, and
+the bytes NIXL moved into the decode engines per later turn against their handles (target
+<= 0.3).
 
-    python -m bench.prefix_reuse [--rate 1 2] [--num-requests 40]
+    python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--smg PATH]
     python -m bench.prefix_reuse --trace chat [--rate 0.5 1]
 """
 
@@ -30,12 +34,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
+import os
+import shutil
 import random
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -44,11 +52,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import (
     TOKEN_ID_RANGE,
+    HTTPTarget,
     _pyplot,
     _save,
     RunReport,
     add_load_args,
-    check_fits,
     format_row,
     load_config,
     plot_cdfs,
@@ -58,6 +66,7 @@ from bench.loadgen import (
     warm_up,
     write_json,
 )
+from bench.vs_vllm import MODEL_NAME, _free_port, _System, pdserve, stock_vllm
 from cluster.ray_cluster import start_local
 from configuration.parsers import parse_bytes
 from controller.deployment import DeploymentConfig
@@ -259,7 +268,6 @@ class Row:
     goodput_rps: float
     slo_attainment: float
     cached_share: float  # cached prompt tokens / prompt tokens, completed requests
-    handle_bytes_per_request: float
 
     @classmethod
     def of(cls, system: str, report: RunReport) -> "Row":
@@ -275,15 +283,14 @@ class Row:
             goodput_rps=s.goodput_rps,
             slo_attainment=s.slo_attainment,
             cached_share=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-            handle_bytes_per_request=sum(r.handle_bytes for r in done) / len(done) if done else 0.0,
         )
 
     def line(self) -> str:
         return (
-            f"{self.system:<22} {self.rate:>5g} req/s"
+            f"{self.system:<34} {self.rate:>4g} req/s"
             f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
             f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
-            f" | cached {self.cached_share:.0%} | handle {self.handle_bytes_per_request / 2**20:.2f} MiB/request"
+            f" | cached {self.cached_share:.0%}"
         )
 
 
@@ -313,12 +320,6 @@ class System:
         return DeploymentConfig(engine=engine, num_prefill=self.prefill, num_decode=self.decode, policy=policy)
 
 
-# RAG: the choice is which prefill engine holds the document.
-SYSTEMS = (
-    System("2P+1D cache-aware", 2, 1, caching=True, cache_aware=True),
-    System("2P+1D cache-blind", 2, 1, caching=True, cache_aware=False),
-    System("1P+1D caching off", 1, 1, caching=False, cache_aware=False),
-)
 # Chat: the choice is which decode engine holds the conversation.
 CHAT_SYSTEMS = (
     System("1P+2D cache-aware", 1, 2, caching=True, cache_aware=True),
@@ -327,22 +328,85 @@ CHAT_SYSTEMS = (
 )
 
 
-async def run_system(
-    model: str, system: System, trace: RagTrace, rates: list[float], args: argparse.Namespace
-) -> list[RunReport]:
+@dataclass(frozen=True, slots=True)
+class Served:
+    """A RAG system as its users run it: pdserve (`prefill`, `decode`, `flags` for `pdserve
+    serve`), or stock vLLM servers behind SMG with `smg_policy`."""
+
+    label: str
+    prefill: int = 0
+    decode: int = 2
+    flags: str = ""
+    smg_policy: str | None = None
+
+
+RAG_SYSTEMS = {
+    "aware": Served("pdserve colocated, cache-aware", flags="--cache-aware"),
+    "blind": Served("pdserve colocated, cache-blind", flags="--no-cache-aware"),
+    "aware-1p1d": Served("pdserve 1P+1D, cache-aware", 1, 1, "--cache-aware"),
+    "off-1p1d": Served("pdserve 1P+1D, caching off", 1, 1, "--no-enable-prefix-caching"),
+    "smg-aware": Served("stock vLLM x2, SMG cache_aware", smg_policy="cache_aware"),
+    "smg-rr": Served("stock vLLM x2, SMG round_robin", smg_policy="round_robin"),
+}
+DEFAULT_KV_CACHE_BYTES = 256 << 20  # pdserve's CPU default, per engine in every system
+
+
+@contextlib.contextmanager
+def serving(served: Served, args: argparse.Namespace) -> Iterator[str]:
+    """Start the system; its OpenAI base URL while it runs; then stop every process of it."""
+    started: list[_System] = []
+    try:
+        kv_cache_bytes = args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
+        if served.smg_policy is None:
+            flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes}"
+            system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
+            started.append(system)
+            system.wait_ready(timeout_s=600)
+            yield system.urls[0]
+            return
+        cores = sorted(os.sched_getaffinity(0))[:2]
+        flags = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
+        stock = stock_vllm(resolve_model(args.model), cores, kv_cache_bytes, flags)
+        started.append(stock)
+        stock.wait_ready(timeout_s=600)
+        port = _free_port()
+        command = [args.smg, "launch", "--worker-urls", *stock.urls, "--policy", served.smg_policy]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        gateway = _System(f"SMG {served.smg_policy}", [(command, {}, f"http://127.0.0.1:{port}")])
+        started.append(gateway)
+        gateway.wait_ready(timeout_s=120)
+        yield gateway.urls[0]
+    finally:
+        for system in reversed(started):
+            system.stop()
+
+
+def text_prompts(prompts: list[list[int]], model: str) -> tuple[list[str], list[int]]:
+    """The prompts as the text a client sends (SMG's cache-aware policy matches text), and how
+    many tokens the model's tokenizer makes of each."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    texts = [tokenizer.decode(p) for p in prompts]
+    return texts, [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+
+async def run_served(served: Served, base_url: str, trace: RagTrace, rates: list[float], args: argparse.Namespace):
     config = load_config(args)
-    async with LocalStack(system.deployment(model, args.kv_cache_bytes), text_prompts=False) as stack:
-        async with ClientCredentials().channel(stack.server.address) as channel:
-            specs, _ = trace.requests(1.0, config.num_requests)
-            await check_fits(channel, specs)
-            await warm_up(channel, config)
-            reports = []
-            for rate in rates:
-                specs, prompts = trace.requests(rate, config.num_requests)
-                label = f"{system.label} {rate:g} req/s"
-                reports.append(await run_workload(channel, specs, config, label, rate, prompts=prompts))
-                print(format_row(reports[-1]), file=sys.stderr, flush=True)
-            return reports
+    model = resolve_model(args.model)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as client:
+        target = HTTPTarget(client, base_url, MODEL_NAME)
+        await warm_up(target, config)
+        reports = []
+        for rate in rates:
+            specs, prompts = trace.requests(rate, config.num_requests)
+            texts, lengths = text_prompts(prompts, model)
+            specs = [dataclasses.replace(spec, prompt_tokens=n) for spec, n in zip(specs, lengths)]
+            label = f"{served.label} {rate:g} req/s"
+            reports.append(await run_workload(target, specs, config, label, rate, prompts=texts))
+            print(format_row(reports[-1]), file=sys.stderr, flush=True)
+        return reports
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -367,39 +431,64 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="per engine, e.g. 48MiB: below the documents' size, routing decides which engine keeps which",
     )
+    parser.add_argument(
+        "--systems", nargs="+", choices=list(RAG_SYSTEMS), default=list(RAG_SYSTEMS), help="RAG systems, in turn"
+    )
+    parser.add_argument("--smg", default=shutil.which("smg") or "smg", help="SMG's command (pip install smg)")
+    parser.add_argument("--pdserve-eager", action="store_true", help="pdserve's CPU default (eager), not compiled")
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
-    start_local()
     model = resolve_model(args.model)
     if args.trace == "chat":
+        start_local()
         return _chat(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
+    chosen = {key: RAG_SYSTEMS[key] for key in args.systems}
+    if any(s.smg_policy for s in chosen.values()) and not shutil.which(args.smg):
+        parser.error(f"--smg {args.smg}: not found; pip install smg (a virtual environment of its own will do)")
     trace = RagTrace(
         args.documents, args.document_tokens, args.question_tokens, args.output_tokens, args.zipf, args.seed
     )
-    args.rate = args.rate or [1.0, 2.0]
+    args.rate = args.rate or [1.0, 2.0, 4.0]
     series: dict[str, list[RunReport]] = {}
-    for system in SYSTEMS:
-        print(f"== {system.label}", file=sys.stderr, flush=True)
-        series[system.label] = asyncio.run(run_system(model, system, trace, args.rate, args))
+    for served in chosen.values():
+        print(f"== {served.label}", file=sys.stderr, flush=True)
+        with serving(served, args) as base_url:
+            series[served.label] = asyncio.run(run_served(served, base_url, trace, args.rate, args))
     rows = [Row.of(name, report) for name, reports in series.items() for report in reports]
     write_json(args.out, {"trace": asdict(trace), "rows": [asdict(r) for r in rows]})
     plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
     plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))
     print(
-        f"RAG: {trace.documents} documents of {trace.document_tokens} tokens (Zipf {trace.zipf}), "
-        f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out"
+        f"RAG: {trace.documents} documents of {trace.document_tokens} token ids as text (Zipf {trace.zipf}), "
+        f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out, {args.num_requests} "
+        f"requests per rate; SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms"
     )
     for row in rows:
         print(row.line())
-    aware, blind, off = (series[system.label] for system in SYSTEMS)
-    for a, b, c in zip(aware, blind, off):
-        print(
-            f"{a.rate:g} req/s: TTFT p50 cache-aware / cache-blind {_ratio(a, b):.2f}x, / caching off "
-            f"{_ratio(a, c):.2f}x; goodput cache-aware / cache-blind "
-            f"{a.summary.goodput_rps / max(b.summary.goodput_rps, 1e-9):.2f}x"
-        )
+    _print_ratios(series, chosen)
     print(f"results: {args.out}")
     return 0
+
+
+def _print_ratios(series: dict[str, list[RunReport]], chosen: dict[str, Served]) -> None:
+    """Per rate: pdserve cache-aware against cache-blind and against the best stock setup."""
+    labels = {key: served.label for key, served in chosen.items()}
+    stock = [series[label] for key, label in labels.items() if key.startswith("smg")]
+    for key in ("aware", "aware-1p1d"):
+        if key not in labels:
+            continue
+        for i, mine in enumerate(series[labels[key]]):
+            parts = [f"{labels[key]} at {mine.rate:g} req/s: TTFT p50"]
+            if "blind" in labels:
+                parts.append(f"/ cache-blind {_ratio(mine, series[labels['blind']][i]):.2f}x (target <= 0.4)")
+            if stock:
+                best = min((runs[i] for runs in stock), key=lambda r: r.summary.ttft_s.p50 or float("inf"))
+                goodput = mine.summary.goodput_rps / max(best.summary.goodput_rps, 1e-9)
+                parts.append(
+                    f"/ best stock ({best.label.rsplit(' ', 2)[0]}) {_ratio(mine, best):.2f}x (target <= 1.0); "
+                    f"goodput / its {goodput:.2f}x (target >= 1.0)"
+                )
+            print(" ".join(parts))
 
 
 def _chat(model: str, trace: ChatTrace, rates: list[float], args: argparse.Namespace) -> int:

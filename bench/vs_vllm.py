@@ -122,13 +122,14 @@ class _System:
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int) -> _System:
+def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int, flags: tuple[str, ...] = ()) -> _System:
+    """One stock vLLM OpenAI server per core; `flags`: more `vllm serve` flags for each."""
     commands = []
     for core in cores:
         port = _free_port()
         command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
         command += ["--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port)]
-        command += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(kv_cache_bytes)]
+        command += ["--dtype", "bfloat16", "--kv-cache-memory-bytes", str(kv_cache_bytes), *flags]
         env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), "VLLM_PLUGINS": ""}  # stock: no pdserve plugin
         commands.append((command, env, f"http://127.0.0.1:{port}"))
     return _System(f"stock vLLM x{len(cores)}", commands)
