@@ -118,6 +118,7 @@ async def _serve(config: "ServeConfig") -> int:
     from controller.deployment import check_sizing
     from router.tier import RouterTier
 
+    config = _with_local_prefill_limit(config)
     deployment, router = config.deployment, config.router
     front = router.front
     check_sizing(deployment)
@@ -175,6 +176,26 @@ async def _serve(config: "ServeConfig") -> int:
     finished = await _stop(controller, tier, config.drain_timeout_s)
     print(f"{'drained' if finished else 'drain timed out'}: engines stopped", file=sys.stderr)
     return 0
+
+
+def _with_local_prefill_limit(config: "ServeConfig") -> "ServeConfig":
+    """Conditional disaggregation's threshold as given, else the break-even of the planner
+    model's measured prefill and transfer costs, else off; said on stderr."""
+    import dataclasses
+    from pathlib import Path
+
+    from planner.model import PerformanceModel
+
+    policy = config.router.policy
+    if policy.local_prefill_uncached is not None or not config.deployment.num_prefill:
+        return config
+    limit, source = 0, "off: no --planner-model to derive it from; or set --local-prefill-uncached"
+    if config.planner.model:
+        limit = PerformanceModel.load(Path(config.planner.model)).local_prefill_limit()
+        source = f"the break-even of {config.planner.model}'s prefill and transfer costs"
+    print(f"prefill on the decode engine when it lacks at most {limit} prompt tokens ({source})", file=sys.stderr)
+    policy = dataclasses.replace(policy, local_prefill_uncached=limit)
+    return dataclasses.replace(config, router=dataclasses.replace(config.router, policy=policy))
 
 
 async def _print_planner_log(controller: Any, interval_s: float) -> None:

@@ -87,7 +87,10 @@ class FinishedRequest:
     output_tokens: int
     ttft_s: float
     itl_s: float  # the request's mean inter-token time (TPOT); 0 for a one-token output
+    cached_tokens: int = 0  # of the prompt, served from a prefix cache
 
     def __post_init__(self) -> None:
         if self.prompt_tokens < 1 or self.output_tokens < 1 or self.ttft_s < 0 or self.itl_s < 0:
             raise ValueError(f"invalid finished request {self}: token counts >= 1, latencies >= 0")
+        if not 0 <= self.cached_tokens < self.prompt_tokens:
+            raise ValueError(f"invalid finished request {self}: cached tokens in [0, prompt tokens)")

@@ -236,7 +236,9 @@ class ClosedLoopPlanner:
         if window.requests < self.config.min_requests:
             return None, None
         model = self.corrections.apply(self.model)
-        timeline = simulate_at(model, current, window.arrival_s, window.prompt_tokens, window.output_tokens)
+        timeline = simulate_at(
+            model, current, window.arrival_s, window.prompt_tokens, window.output_tokens, window.cached_tokens
+        )
         ttft, itl = LatencySummary.of(timeline.ttft), LatencySummary.of(timeline.tpot)
         # The interval after a change holds the changeover (engines restarting, queues moving):
         # its latencies say nothing about the model.

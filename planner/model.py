@@ -146,6 +146,25 @@ class PerformanceModel:
     def transfer_seconds(self, prompt_tokens: int) -> float:
         return self.transfer.seconds(self.layout.transfer_bytes(prompt_tokens))
 
+    def local_prefill_limit(self, most: int = 1 << 20) -> int:
+        """The most prompt tokens a decode engine missing them should compute itself rather
+        than take a handoff (RouterPolicy.local_prefill_uncached): where their prefill costs no
+        more than moving them and the state would. The pass's fixed cost is left out, as the
+        tokens ride along a decode step the engine runs anyway."""
+        p = self.prefill
+
+        def local_wins(tokens: int) -> bool:
+            computing = p.per_token_s * tokens + p.per_token_pair_s * tokens * tokens
+            return computing <= self.transfer_seconds(tokens)
+
+        low, high = 0, most  # local_wins(low) holds (0 <= the transfer's latency)
+        if local_wins(high):
+            return high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (middle, high) if local_wins(middle) else (low, middle)
+        return low
+
     def scaled(self, prefill: float = 1.0, decode: float = 1.0) -> PerformanceModel:
         """This model with every prefill time x `prefill` and every decode step x `decode` (the
         knee stays): the closed-loop planner's correction for observed against predicted

@@ -59,6 +59,7 @@ class WindowSummary:
     arrival_s: np.ndarray
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    cached_tokens: np.ndarray  # of each prompt, served from a prefix cache
     ttft_s: LatencySummary
     itl_s: LatencySummary
 
@@ -83,6 +84,7 @@ def summarize(observation: IntervalObservation) -> WindowSummary:
         arrival_s=np.array([r.arrival_s for r in requests], dtype=float),
         prompt_tokens=np.array([r.prompt_tokens for r in requests], dtype=np.int64),
         output_tokens=np.array([r.output_tokens for r in requests], dtype=np.int64),
+        cached_tokens=np.array([r.cached_tokens for r in requests], dtype=np.int64),
         ttft_s=LatencySummary.of([r.ttft_s for r in requests]),
         itl_s=LatencySummary.of([r.itl_s for r in requests]),
     )
@@ -90,12 +92,14 @@ def summarize(observation: IntervalObservation) -> WindowSummary:
 
 @dataclass(frozen=True, slots=True, eq=False)
 class Forecast:
-    """The next interval: an arrival rate and a length mix ((prompt, output) pairs; empty
-    until some window had enough requests)."""
+    """The next interval: an arrival rate and a length mix ((prompt, output, cached) triples:
+    the prefix-cache hits the window saw come with their requests; empty until some window
+    had enough requests)."""
 
     rate_rps: float
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
+    cached_tokens: np.ndarray
 
     @property
     def has_mix(self) -> bool:
@@ -105,7 +109,7 @@ class Forecast:
         """Poisson arrivals carrying the mix: the search's workload (it rescales the rate)."""
         if not self.has_mix:
             raise ValueError("no length mix yet: observe a window with enough finished requests first")
-        return Workload.resample(self.prompt_tokens, self.output_tokens, count, seed)
+        return Workload.resample(self.prompt_tokens, self.output_tokens, count, seed, self.cached_tokens)
 
 
 def forecast(previous: Forecast | None, window: WindowSummary, rate_weight: float, min_requests: int) -> Forecast:
@@ -118,5 +122,5 @@ def forecast(previous: Forecast | None, window: WindowSummary, rate_weight: floa
     else:
         rate = rate_weight * window.arrival_rate_rps + (1 - rate_weight) * previous.rate_rps
     if window.requests >= min_requests or previous is None:
-        return Forecast(rate, window.prompt_tokens, window.output_tokens)
-    return Forecast(rate, previous.prompt_tokens, previous.output_tokens)
+        return Forecast(rate, window.prompt_tokens, window.output_tokens, window.cached_tokens)
+    return Forecast(rate, previous.prompt_tokens, previous.output_tokens, previous.cached_tokens)

@@ -136,11 +136,12 @@ def capacity_estimate(model: PerformanceModel, split: Split, workload: Workload)
     batch limit, so every limit of a split starts from the same bracket (see
     `_split_candidates`)."""
     prompt = workload.prompt_tokens.astype(float)
+    computed = workload.uncached_tokens.astype(float)  # a prefix cache serves the rest
     cost = model.prefill
     # A full token budget of prompts shares the fixed per-batch cost.
-    prompts_per_batch = max(1.0, split.token_budget / prompt.mean())
+    prompts_per_batch = max(1.0, split.token_budget / computed.mean())
     prefill_s = cost.fixed_s / prompts_per_batch + float(
-        np.mean(cost.per_token_s * prompt + cost.per_token_pair_s * prompt**2)
+        np.mean(cost.per_token_s * computed + cost.per_token_pair_s * computed * prompt)
     )
     # Time per token falls with the batch up to the knee, then tends to the compute cost.
     decode = model.decode
@@ -164,9 +165,10 @@ def capacity_bound(model: PerformanceModel, split: Split, workload: Workload) ->
     output). The host slowdown (CPU engines) depends on the rate itself: a fixed point.
     Transfers are latency only in the simulator (no shared link), so they bound nothing here."""
     prompt = float(workload.prompt_tokens.mean())
+    computed = float(workload.uncached_tokens.mean())  # a prefix cache serves the rest
     output = float(workload.output_tokens.mean())
-    per_batch = max(1.0, split.token_budget // prompt)
-    prefill_s = model.prefill.seconds(per_batch * prompt, per_batch * prompt**2) / per_batch
+    per_batch = max(1.0, split.token_budget // computed)
+    prefill_s = model.prefill.seconds(per_batch * computed, per_batch * computed * prompt) / per_batch
     limit = split.batch_limit
     step_s = model.decode.seconds(limit, limit * (prompt + output / 2))
     slot_s = (output - 1) * step_s / limit  # decode time per request, its slot shared

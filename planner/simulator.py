@@ -37,7 +37,7 @@ import heapq
 import math
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import numpy as np
@@ -118,6 +118,21 @@ class Workload:
     prompt_tokens: np.ndarray
     output_tokens: np.ndarray
     native_rate: float | None = None  # a trace's own mean rate
+    # Of each prompt, the tokens a prefix cache serves (RAG documents, system prompts, earlier
+    # turns): prefill computes only the rest. None: nothing cached.
+    cached_tokens: np.ndarray | None = None
+
+    @property
+    def uncached_tokens(self) -> np.ndarray:
+        """Of each prompt, the tokens prefill computes."""
+        return self.prompt_tokens if self.cached_tokens is None else self.prompt_tokens - self.cached_tokens
+
+    def with_cached_share(self, share: float) -> Workload:
+        """This workload with `share` of every prompt cached (at least one token is computed)."""
+        if not 0 <= share < 1:
+            raise ValueError(f"a cached share is in [0, 1), got {share}")
+        cached = np.minimum(np.floor(self.prompt_tokens * share), self.prompt_tokens - 1).astype(np.int64)
+        return replace(self, cached_tokens=np.maximum(cached, 0))
 
     @classmethod
     def poisson(cls, count: int, prompt: Lengths, output: Lengths, seed: int = 0) -> Workload:
@@ -126,16 +141,25 @@ class Workload:
         return cls(arrivals, prompt.sample(rng, count), output.sample(rng, count))
 
     @classmethod
-    def resample(cls, prompt_tokens: np.ndarray, output_tokens: np.ndarray, count: int, seed: int = 0) -> Workload:
-        """`count` Poisson arrivals whose (prompt, output) pairs are drawn with replacement from
-        observed ones: an empirical length mix, the correlation between the two lengths kept."""
+    def resample(
+        cls,
+        prompt_tokens: np.ndarray,
+        output_tokens: np.ndarray,
+        count: int,
+        seed: int = 0,
+        cached_tokens: np.ndarray | None = None,
+    ) -> Workload:
+        """`count` Poisson arrivals whose (prompt, output[, cached]) rows are drawn with
+        replacement from observed ones: an empirical length mix, the correlation between the
+        lengths (and a request's prefix hit) kept."""
         if len(prompt_tokens) != len(output_tokens) or not len(prompt_tokens):
             raise ValueError("resample needs as many prompt as output lengths, and at least one pair")
         rng = np.random.default_rng(seed)
         arrivals = _unit_poisson(rng, count)
         picks = rng.integers(0, len(prompt_tokens), count)
         prompt, output = (np.asarray(tokens, dtype=np.int64)[picks] for tokens in (prompt_tokens, output_tokens))
-        return cls(arrivals, prompt, output)
+        cached = None if cached_tokens is None else np.asarray(cached_tokens, dtype=np.int64)[picks]
+        return cls(arrivals, prompt, output, cached_tokens=cached)
 
     @classmethod
     def trace(cls, rows: Iterable[tuple[float, int, int]]) -> Workload:
@@ -170,6 +194,9 @@ class WorkloadConfig:
     requests: int = knob(600, help="requests per simulation (of a trace: its first ones)")
     seed: int = knob(0, help="of the Poisson arrivals and lengths")
     trace: str | None = knob(None, help="JSONL rows {arrival_s, prompt_tokens, output_tokens} (planner.trace)")
+    cached_share: float = knob(
+        0.0, help="share of each prompt served from a prefix cache (RAG documents, system prompts, earlier turns)"
+    )
 
     def __post_init__(self) -> None:
         for name in ("prompt_tokens", "output_tokens"):
@@ -179,15 +206,19 @@ class WorkloadConfig:
             raise ValueError(f"length_spread must be >= 0 (uniform: <= 1), got {self.length_spread}")
         if self.requests < 1:
             raise ValueError(f"requests must be >= 1, got {self.requests}")
+        if not 0 <= self.cached_share < 1:
+            raise ValueError(f"cached_share must be in [0, 1), got {self.cached_share}")
 
     def build(self) -> Workload:
         if self.trace:
             with open(self.trace) as rows:
                 specs = parse_trace(rows)[: self.requests]
-            return Workload.trace((s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs)
-        prompt = Lengths(self.prompt_tokens, self.length_spread, self.length_shape)
-        output = Lengths(self.output_tokens, self.length_spread, self.length_shape)
-        return Workload.poisson(self.requests, prompt, output, self.seed)
+            workload = Workload.trace((s.arrival_s, s.prompt_tokens, s.output_tokens) for s in specs)
+        else:
+            prompt = Lengths(self.prompt_tokens, self.length_spread, self.length_shape)
+            output = Lengths(self.output_tokens, self.length_spread, self.length_shape)
+            workload = Workload.poisson(self.requests, prompt, output, self.seed)
+        return workload.with_cached_share(self.cached_share) if self.cached_share else workload
 
 
 # --- results ---------------------------------------------------------------------------
@@ -262,11 +293,13 @@ class Timeline:
 class _Requests:
     """Per-request state shared by all instances, as lists (faster than numpy scalars)."""
 
-    __slots__ = ("arrival", "first", "last", "output", "prefill_end", "prefill_start", "prompt")
+    __slots__ = ("arrival", "first", "last", "output", "prefill_end", "prefill_start", "prompt", "uncached")
 
     def __init__(self, workload: Workload, rate: float) -> None:
         self.arrival: list[float] = workload.arrivals(rate).tolist()
         self.prompt: list[int] = workload.prompt_tokens.tolist()
+        cached = workload.cached_tokens
+        self.uncached: list[int] = self.prompt if cached is None else (workload.prompt_tokens - cached).tolist()
         self.output: list[int] = workload.output_tokens.tolist()
         count = len(workload)
         self.prefill_start = [0.0] * count
@@ -321,15 +354,17 @@ class _Instance:
         self.waiting.append(rid)
 
     def prefill_batch(self, max_requests: int) -> list[int]:
-        """Prefill waiting prompts in order up to the token budget (at least one)."""
-        prompt = self.requests.prompt
+        """Prefill waiting prompts in order up to the token budget (at least one). A prompt
+        computes its uncached tokens, each against its whole context (the pair term)."""
+        prompt, uncached = self.requests.prompt, self.requests.uncached
         batch = [self.waiting.popleft()]
-        tokens = prompt[batch[0]]
-        while self.waiting and len(batch) < max_requests and tokens + prompt[self.waiting[0]] <= self.token_budget:
+        tokens = uncached[batch[0]]
+        while self.waiting and len(batch) < max_requests and tokens + uncached[self.waiting[0]] <= self.token_budget:
             batch.append(self.waiting.popleft())
-            tokens += prompt[batch[-1]]
+            tokens += uncached[batch[-1]]
         start = self.clock
-        self.clock += self.slowdown * self.prefill_cost.seconds(tokens, sum(prompt[rid] ** 2 for rid in batch))
+        pairs = sum(uncached[rid] * prompt[rid] for rid in batch)
+        self.clock += self.slowdown * self.prefill_cost.seconds(tokens, pairs)
         for rid in batch:
             self.requests.prefill_start[rid] = start
             self.requests.prefill_end[rid] = self.clock
@@ -347,11 +382,11 @@ class _PrefillInstance(_Instance):
 
     def add(self, rid: int, now: float) -> None:
         super().add(rid, now)
-        self.queued_tokens += self.requests.prompt[rid]
+        self.queued_tokens += self.requests.uncached[rid]
 
     def act(self) -> None:
         batch = self.prefill_batch(len(self.waiting))
-        self.running_tokens = sum(self.requests.prompt[rid] for rid in batch)
+        self.running_tokens = sum(self.requests.uncached[rid] for rid in batch)
         self.queued_tokens -= self.running_tokens
         for rid in batch:  # prefill samples the first token
             self.requests.first[rid] = self.requests.last[rid] = self.clock
@@ -448,6 +483,7 @@ def simulate_at(
     arrival_s: np.ndarray,
     prompt_tokens: np.ndarray,
     output_tokens: np.ndarray,
+    cached_tokens: np.ndarray | None = None,
 ) -> Timeline:
     """Requests at their own arrival times (seconds, sorted) on a cluster empty at the first
     arrival: an observed window replayed as it came. The timeline counts from that arrival."""
@@ -457,5 +493,7 @@ def simulate_at(
     span = float(arrival[-1] - arrival[0])
     # The offered rate (it sets CPU engines' host slowdown); any rate when all arrive at once.
     rate = len(arrival) / span if span > 0 else 1.0
-    workload = Workload((arrival - arrival[0]) * rate, np.asarray(prompt_tokens), np.asarray(output_tokens))
+    cached = None if cached_tokens is None else np.asarray(cached_tokens)
+    prompt, output = np.asarray(prompt_tokens), np.asarray(output_tokens)
+    workload = Workload((arrival - arrival[0]) * rate, prompt, output, cached_tokens=cached)
     return simulate(model, split, workload, rate)

@@ -27,8 +27,11 @@ class RequestJournal:
             return
         rate = result.timings.decode_tokens_per_s
         itl = 1 / rate if rate > 0 else 0.0
+        cached = min(result.cached_tokens, result.prompt_tokens - 1)
         self._finished.append(
-            FinishedRequest(arrival_s, result.prompt_tokens, result.completion_tokens, result.timings.ttft_s, itl)
+            FinishedRequest(
+                arrival_s, result.prompt_tokens, result.completion_tokens, result.timings.ttft_s, itl, cached
+            )
         )
         if len(self._finished) > self._max_entries:
             del self._finished[: len(self._finished) - self._max_entries]

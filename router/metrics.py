@@ -72,6 +72,9 @@ MIGRATIONS = Counter("pdserve_migrations_total", "Streams resumed on another dec
 LOCAL_PREFILL_FALLBACKS = Counter(
     "pdserve_local_prefill_fallbacks_total", "Requests prefilled on a decode engine because no prefill actor was live"
 )
+PREFILL_PLANS = Counter(
+    "pdserve_prefill_plans_total", "Where each leg's prompt was prefilled: the plan's reason", ["reason"]
+)
 ROUTES = Counter("pdserve_route_picks_total", "Engines picked for a leg, by pool and why", ["pool", "reason"])
 FAILOVERS = Counter("pdserve_decode_failovers_total", "Streams whose decode actor died, by what was done", ["action"])
 HANDOFF_RETRIES = Counter(

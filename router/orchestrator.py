@@ -14,6 +14,7 @@ one uninterrupted stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -64,6 +65,15 @@ class RouterPolicy:
     # At least 3 on CPU hybrids: prefill may compute N-1 tokens and vLLM 0.32's CPU conv
     # kernel fails on 1-token prefills. vLLM's own kv_recompute_threshold is 64.
     local_prefill_below: int = knob(3, help="prompts shorter than this prefill on the decode engine (no transfer)")
+    # Conditional disaggregation (Dynamo's max_local_prefill_length, made per request from the
+    # decode engine's own prefix cache): a conversation's next turn mostly sits on the decode
+    # engine that served the last, and computing its few new tokens there beats a handoff.
+    local_prefill_uncached: int | None = knob(
+        None,
+        help="prefill on the decode engine when it lacks at most this many of the prompt's tokens (its prefix "
+        "cache holds the rest; no handoff); unset: the break-even of --planner-model's prefill and transfer "
+        "costs, or 0 (off) without one",
+    )
     on_prefill_unavailable: Literal["local", "fail"] = knob(
         "local", help="no live prefill engine: prefill on the decode engine (degraded), or refuse with UNAVAILABLE"
     )
@@ -107,6 +117,8 @@ class RouterPolicy:
             raise ValueError(f"verify_fraction must be in [0, 1], got {self.verify_fraction}")
         if self.verify_tokens < 1:
             raise ValueError(f"verify_tokens must be >= 1, got {self.verify_tokens}")
+        if self.local_prefill_uncached is not None and self.local_prefill_uncached < 0:
+            raise ValueError(f"local_prefill_uncached must be >= 0 (0: off), got {self.local_prefill_uncached}")
         if self.local_prefill_below < 3:
             raise ValueError(
                 f"local_prefill_below {self.local_prefill_below}: at least 3 "
@@ -125,10 +137,14 @@ class RouterPolicy:
 @dataclass(frozen=True, slots=True)
 class PrefillPlan:
     """Where a leg's prompt is prefilled, and why: on a prefill engine (`route`), or by the
-    decode engine itself (`route` None)."""
+    decode engine itself (`route` None); `decode`: that engine, when the plan chose it for
+    what its prefix cache holds."""
 
     route: RouteDecision | None
-    reason: Literal["prefill pool", "colocated", "short prompt", "prompt logprobs", "no live prefill engine"]
+    reason: Literal[
+        "prefill pool", "colocated", "short prompt", "cached on decode", "prompt logprobs", "no live prefill engine"
+    ]
+    decode: RouteDecision | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -212,7 +228,7 @@ class Orchestrator:
             # Engines see a fresh id per leg (prefill + decode, or a migration's resume):
             # clients' ids are theirs to repeat; they are kept for display and logs only.
             leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
-            prefill_member, prefill = await self._prefill_or_local(leg)
+            prefill_member, prefill, plan = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
             if prefill is not None and progress.cached_tokens is None:
                 progress.cached_tokens = prefill.cached_tokens
@@ -228,8 +244,10 @@ class Orchestrator:
             if first is not None:
                 leg = prefill.decode_leg(leg)
             try:
-                cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
-                route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
+                route = plan.decode
+                if route is None:
+                    cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
+                    route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
             except NoWorkerError:
                 if handle is not None:
                     self._release_soon(handle)
@@ -314,20 +332,31 @@ class Orchestrator:
             return Failover("fail", f"it migrated {migrations} times, max_migrations is {limit}", migrations)
         return Failover("migrate", f"migration {migrations + 1} of at most {limit}", migrations)
 
-    def plan_prefill(self, request: GenerateRequest, cached: Mapping[str, int] | None = None) -> PrefillPlan:
-        """Prefill on the prefill pool, or (colocated, short prompt, prompt logprobs of a
-        request decode samples whole, or no live prefill engine under policy "local") leave
-        the prompt to the decode engine. `cached`: the prompt
-        tokens each prefill engine holds, by name (`cached_prefixes`). No I/O."""
+    def plan_prefill(
+        self,
+        request: GenerateRequest,
+        cached: Mapping[str, int] | None = None,
+        decode_cached: Mapping[str, int] | None = None,
+    ) -> PrefillPlan:
+        """Prefill on the prefill pool, or (colocated, short prompt, a decode engine that lacks
+        at most `local_prefill_uncached` of it, prompt logprobs of a request decode samples
+        whole, or no live prefill engine under policy "local") leave the prompt to a decode
+        engine. `cached` / `decode_cached`: the prompt tokens each prefill / decode engine
+        holds, by name (`cached_prefixes`). No I/O."""
         if self.colocated:
             return PrefillPlan(None, "colocated")
         prompt = len(request.prompt_token_ids)
-        if prompt < self.policy.local_prefill_below:
+        if prompt < self.policy.local_prefill_below or prompt <= (self.policy.local_prefill_uncached or 0):
             return PrefillPlan(None, "short prompt")
         if request.sampling.prompt_logprobs is not None and request.sampling.decoded_whole:
             # Prefill would stop one prompt token short (kv_transfer/producer.py), so the
             # last token's logprob would be missing: the engine that computes it all returns them.
             return PrefillPlan(None, "prompt logprobs")
+        if decode_cached and self.policy.local_prefill_uncached:
+            with contextlib.suppress(NoWorkerError):  # none live: the decode pick says so
+                route = self.decode.pick_decode(decode_cached, self.policy.decode_cache_slack)
+                if prompt - (route.cached_tokens or 0) <= self.policy.local_prefill_uncached:
+                    return PrefillPlan(None, "cached on decode", route)
         try:
             return PrefillPlan(self.prefill.pick_prefill(prompt, cached), "prefill pool")
         except NoWorkerError:
@@ -389,12 +418,15 @@ class Orchestrator:
             self._feeds[member.name] = feed
         return feed
 
-    async def cached_prefixes(self, pool: Pool, request: GenerateRequest, state_pulled: bool = False) -> dict[str, int]:
+    async def cached_prefixes(
+        self, pool: Pool, request: GenerateRequest, state_pulled: bool = False, even_one: bool = False
+    ) -> dict[str, int]:
         """How much of the prompt each live engine of `pool` holds in its prefix cache, asked
-        when there is a choice to make (an engine that answers late or not at all counts 0);
-        `state_pulled`: for decode legs that pull the prompt's state."""
+        when there is a choice to make (`even_one`: of a single engine too; an engine that
+        answers late or not at all counts 0); `state_pulled`: for decode legs that pull the
+        prompt's state."""
         live = pool.live
-        if not self.policy.cache_aware or len(live) < 2:
+        if not self.policy.cache_aware or len(live) < (1 if even_one else 2):
             return {}
         prompt = list(request.prompt_token_ids)
         asks = {
@@ -413,22 +445,37 @@ class Orchestrator:
                 metrics.CACHE_QUERY_MISSES.inc()
         return answers
 
-    async def _prefill_or_local(self, request: GenerateRequest) -> tuple[Member | None, PrefillResult | None]:
+    async def _prefill_or_local(
+        self, request: GenerateRequest
+    ) -> tuple[Member | None, PrefillResult | None, PrefillPlan]:
         """Prefill where `plan_prefill` says; a prefill actor that dies meanwhile is marked
         and the leg planned again."""
         while True:
-            plan = self.plan_prefill(request, await self.cached_prefixes(self.prefill, request))
+            prefill_cached, decode_cached = await asyncio.gather(
+                self.cached_prefixes(self.prefill, request),
+                self._decode_holdings(request),
+            )
+            plan = self.plan_prefill(request, prefill_cached, decode_cached)
+            metrics.PREFILL_PLANS.labels(plan.reason).inc()
             if plan.route is None:
                 log.debug("%s: prefill on the decode engine (%s)", request.request_id, plan.reason)
                 if plan.reason == "no live prefill engine":
                     metrics.LOCAL_PREFILL_FALLBACKS.inc()
-                return None, None
+                return None, None, plan
             _routed(request.request_id, plan.route)
             member = plan.route.member
             try:
-                return member, await self._prefill(member, request)
+                return member, await self._prefill(member, request), plan
             except RayActorError as err:
                 member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
+
+    async def _decode_holdings(self, request: GenerateRequest) -> dict[str, int]:
+        """What each decode engine holds of a prompt it might prefill itself (conditional
+        disaggregation on); not asked when the answer could not change the plan."""
+        limit, prompt = self.policy.local_prefill_uncached or 0, len(request.prompt_token_ids)
+        if self.colocated or not limit or prompt <= limit or prompt < self.policy.local_prefill_below:
+            return {}
+        return await self.cached_prefixes(self.decode, request, even_one=True)
 
     async def _prefill(self, member: Member, request: GenerateRequest) -> PrefillResult:
         async with self.prefill.in_flight(member, prompt_tokens=len(request.prompt_token_ids)):

@@ -85,7 +85,7 @@ def test_observation_rejects_nonsense() -> None:
 
 
 def test_forecast_smooths_the_rate_and_takes_the_latest_mix() -> None:
-    old = Forecast(10.0, np.array([1000]), np.array([10]))
+    old = Forecast(10.0, np.array([1000]), np.array([10]), np.array([0]))
     fresh = summarize(IntervalObservation(0.0, 10.0, 1, 1, tuple(_request(i, 50, 500, 0.1, 0.01) for i in range(200))))
     assert fresh.arrival_rate_rps == 20.0
     expected = forecast(old, fresh, rate_weight=0.5, min_requests=20)
@@ -101,6 +101,26 @@ def test_forecast_smooths_the_rate_and_takes_the_latest_mix() -> None:
     # The search workload carries the mix as observed pairs.
     workload = expected.workload(count=50, seed=0)
     assert len(workload) == 50 and set(workload.prompt_tokens.tolist()) == {50}
+
+
+def test_the_forecast_keeps_each_requests_prefix_hit() -> None:
+    """A RAG window: every other request found 900 of its 1000 prompt tokens cached (the
+    router's journal records what the engine reported); the planner's workload keeps each
+    request's hit with its lengths, so its prefill computes only the rest."""
+    from messages.results import GenerationResult
+    from messages.timings import LatencySummary, PhaseTimings, TransferBytes
+    from router.journal import RequestJournal
+
+    journal = RequestJournal()
+    timings = PhaseTimings(0.0, 0.1, 0.0, 0.1, LatencySummary.of([]), 100.0, 0.2, TransferBytes(0, 0))
+    for i in range(40):
+        result = GenerationResult("length", 1000, 10, timings, "prefill-0", "decode-0", cached_tokens=900 * (i % 2))
+        journal.finished(float(i), result)
+    window = summarize(IntervalObservation(0.0, 40.0, 1, 1, journal.take().finished))
+    assert window.cached_tokens.tolist() == [0, 900] * 20
+    workload = forecast(None, window, rate_weight=0.5, min_requests=20).workload(count=400, seed=0)
+    assert set(workload.uncached_tokens.tolist()) == {100, 1000}
+    assert 0.4 < float(np.mean(workload.cached_tokens == 900)) < 0.6
 
 
 def test_corrections_move_by_the_weighted_log_ratio_and_clamp() -> None:

@@ -94,6 +94,7 @@ def test_kv_buffers_follow_the_engines_device():
         (["--decode-max-num-seqs", "0"], "max_num_seqs"),
         (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
         (["--local-prefill-below", "1"], "local_prefill_below"),
+        (["--local-prefill-uncached", "-1"], "local_prefill_uncached"),
         (["--nixl-progress-poll-us", "10"], "nixl_progress_poll_us"),
         (["--routers", "0"], "routers"),
         (["--start-timeout-s", "0"], "start_timeout_s"),

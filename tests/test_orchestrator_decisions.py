@@ -77,6 +77,27 @@ def test_where_a_leg_prefills_and_why():
         strict.plan_prefill(REQUEST)
 
 
+def test_a_decode_engine_holding_all_but_a_few_tokens_prefills_them_itself():
+    policy = RouterPolicy(local_prefill_uncached=4)
+    orchestrator = _orchestrator(_Prefill("done"), policy=policy)
+    decode = [Member(f"decode-{i}", None) for i in range(2)]
+    for member in decode:
+        member.mark_live()
+    orchestrator.decode = Pool("decode", decode)
+    # 16 prompt tokens: decode-1 lacks 4 of them, decode-0 all.
+    plan = orchestrator.plan_prefill(REQUEST, {}, {"decode-0": 0, "decode-1": 12})
+    assert plan.reason == "cached on decode" and plan.route is None
+    assert plan.decode.member.name == "decode-1" and plan.decode.cached_tokens == 12
+    assert orchestrator.plan_prefill(REQUEST, {}, {"decode-0": 0, "decode-1": 11}).reason == "prefill pool"
+    # A prompt no longer than the limit needs no hit: computing it costs less than a handoff.
+    four = GenerateRequest("r-3", (1, 2, 3, 4), SamplingConfig(max_tokens=2))
+    assert orchestrator.plan_prefill(four).reason == "short prompt"
+    # Off (the default without a planner model): the prefill pool, whatever decode holds.
+    off = _orchestrator(_Prefill("done"))
+    off.decode = orchestrator.decode
+    assert off.plan_prefill(REQUEST, {}, {"decode-0": 16, "decode-1": 16}).reason == "prefill pool"
+
+
 def test_a_dead_decode_engine_migrates_the_stream_until_the_policy_says_fail():
     orchestrator = _orchestrator(policy=RouterPolicy(max_migrations=2))
     assert [orchestrator.failover(n).action for n in range(3)] == ["migrate", "migrate", "fail"]
@@ -101,8 +122,9 @@ def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
         async with orchestrator.prefill.in_flight(second, prompt_tokens=1000):  # busier: the dying one goes first
             return await orchestrator._prefill_or_local(REQUEST)
 
-    member, result = asyncio.run(scenario())
-    assert result == "prefilled" and member is second and (dying.calls, healthy.calls) == (1, 1)
+    member, result, plan = asyncio.run(scenario())
+    assert result == "prefilled" and member is second and plan.route.member is second
+    assert (dying.calls, healthy.calls) == (1, 1)
     assert first.lifecycle is Lifecycle.DEAD
     assert [(m.outstanding_requests, m.outstanding_prompt_tokens) for m in orchestrator.prefill.members] == [(0, 0)] * 2
 

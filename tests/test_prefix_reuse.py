@@ -265,6 +265,38 @@ def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, case
     assert_no_blocks_held(dep)
 
 
+def test_a_decode_engine_holding_the_conversation_prefills_the_next_turn_itself(deployment, uncached, cases, block):
+    """Conditional disaggregation: with local_prefill_uncached a block and a question long, no
+    turn of the conversation takes a handoff; the decode engine holding the last turn computes
+    only what its cache lacks (the state checkpoint included), and every turn equals the
+    colocated engine without cache. Salted: it starts cold whichever test ran first."""
+    from router import metrics
+    from router.orchestrator import Orchestrator, RouterPolicy
+
+    dep, _ = deployment
+    policy = RouterPolicy(local_prefill_uncached=block + 130)
+    orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, policy)
+    plans = metrics.PREFILL_PLANS.labels("cached on decode")
+    decided, decode, hits = plans._value.get(), None, 0
+    for turn in range(1, TURNS + 1):
+        name = f"turn{turn}"
+        engines = [decode] if decode else dep.decode.members
+        cached_before = {m.name: _prompt_tokens(m).get("local_cache_hit", 0) for m in engines}
+        bytes_before = {m.name: _nixl_bytes(m) for m in engines}
+        tokens, result = _generate(orchestrator, f"local-{name}", cases[name], cache_salt="local-prefill")
+        assert_matches(tokens, uncached[name])
+        assert result.prefill_worker == "", f"turn {turn} took a handoff from {result.prefill_worker}"
+        decode = decode or _member(dep, result.decode_worker)
+        assert result.decode_worker == decode.name, f"turn {turn} left the engine holding the conversation"
+        assert _nixl_bytes(decode) == bytes_before[decode.name]  # nothing moved
+        hit = _prompt_tokens(decode).get("local_cache_hit", 0) - cached_before[decode.name]
+        assert hit % block == 0 and result.cached_tokens == hit, (turn, hit, result.cached_tokens)
+        hits += hit > 0
+    assert hits >= TURNS - 2, "the decode engine found no earlier turn in its cache"
+    assert plans._value.get() > decided, "no turn was planned onto decode for what it held"
+    assert_no_blocks_held(dep)
+
+
 def test_a_salted_prompt_shares_no_blocks_with_other_salts(deployment, uncached, cases, block):
     """vLLM's cache_salt through P/D: the cached document under another tenant's salt is a
     miss (and the router knows it), the same salt again a hit; the output is the same."""

@@ -160,6 +160,23 @@ def test_seeds_example_matches_the_headline_figures() -> None:
     assert step(128) / step(64) == pytest.approx(2, rel=0.1)  # compute-bound past it
 
 
+def test_local_prefill_limit_is_where_computing_costs_what_a_handoff_does() -> None:
+    seeds = PerformanceModel.seeds_example()
+    kv, state = seeds.layout.attention_kv_bytes_per_token, seeds.layout.deltanet_state_bytes_per_request
+    latency = seeds.transfer.latency_s
+
+    def exact(bandwidth: float) -> int:  # u / 3288 <= latency + (state + u * kv) / bandwidth
+        return int((latency + state / bandwidth) / (1 / SEEDS_PREFILL_TOKENS_PER_S - kv / bandwidth))
+
+    assert seeds.local_prefill_limit() == exact(25e9) == 23  # 27B on 4xH100, one 200 Gb/s NIC
+    # 10 Gb/s of TCP: moving 150 MB of state costs what computing ~500 tokens does.
+    slow = replace(seeds, transfer=TransferCost(latency, 1.25e9))
+    assert slow.local_prefill_limit() == exact(1.25e9) == 493
+    # Attention's pair term caps what long suffixes are worth computing.
+    pairs = replace(seeds, prefill=replace(seeds.prefill, per_token_pair_s=1e-6))
+    assert pairs.local_prefill_limit() < seeds.local_prefill_limit()
+
+
 # --- simulator -------------------------------------------------------------------------
 
 
@@ -200,6 +217,31 @@ def test_disaggregated_prefill_makes_the_first_token() -> None:
     one_token = Workload.trace([(0.0, 1000, 1), (1.45, 1000, 1)])
     timeline = simulate(TOY, Split(1, 1), one_token, one_token.native_rate)
     assert timeline.last_token == pytest.approx(timeline.first_token) and timeline.peak_batch == 0
+
+
+def test_a_prefix_hit_prefills_only_the_rest() -> None:
+    """Both prompts 90% cached (900 of 1000 tokens): A prefills 100 tokens (0-0.1 s), B
+    arrives at 1.45 s and prefills 100 (to 1.55 s). With a pair cost, each computed token
+    still attends to its whole context."""
+    workload = _two_requests().with_cached_share(0.9)
+    assert workload.cached_tokens.tolist() == [900, 900]
+    timeline = simulate(TOY, Split(1, 1), workload, workload.native_rate)
+    assert timeline.first_token == pytest.approx([0.1, 1.55])
+    pairs = replace(TOY, prefill=PrefillCost(0.0, 1e-3, 1e-6))
+    timeline = simulate(pairs, Split(1, 1), workload, workload.native_rate)
+    assert timeline.first_token[0] == pytest.approx(0.1 + 1e-6 * 100 * 1000)
+    with pytest.raises(ValueError, match="cached share"):
+        workload.with_cached_share(1.0)
+
+
+def test_tune_counts_the_workloads_hit_rate() -> None:
+    """RAG-like reuse makes prefill cheaper: the same traffic needs fewer prefill engines."""
+    fresh = Workload.poisson(300, Lengths(2000, 0.2), Lengths(200, 0.2), seed=0)
+    space = SearchSpace(gpus=24, batch_limits=(64,), include_colocated=False).sized_for(SEEDS)  # 6 instances
+    slo = SLO(ttft_s=5.0, itl_s=0.1)
+    cold, warm = (search(SEEDS, w, slo, space).best for w in (fresh, fresh.with_cached_share(0.8)))
+    assert (cold.split.prefill, warm.split.prefill) == (5, 4)  # 80% hits: one prefill engine turns decode
+    assert warm.goodput_rps > 3 * cold.goodput_rps
 
 
 def test_serving_overhead_delays_what_the_client_sees_but_no_engine() -> None:
