@@ -265,35 +265,32 @@ def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, case
     assert_no_blocks_held(dep)
 
 
-def test_a_decode_engine_holding_the_conversation_prefills_the_next_turn_itself(deployment, uncached, cases, block):
-    """Conditional disaggregation: with local_prefill_uncached a block and a question long, no
-    turn of the conversation takes a handoff; the decode engine holding the last turn computes
-    only what its cache lacks (the state checkpoint included), and every turn equals the
-    colocated engine without cache. Salted: it starts cold whichever test ran first."""
+def test_a_decode_engine_holding_the_prefix_prefills_the_rest_itself(deployment, uncached, cases, block):
+    """Conditional disaggregation, local_prefill_uncached the document's length: the document
+    is short enough to prefill on a decode engine (which keeps a state checkpoint at its last
+    whole block, as prefill does; decoding keeps none), and the longer prompt sharing it then
+    lacks less than that there: it is prefilled by that engine from its 2 cached blocks, with
+    no prefill leg and nothing moved, and equals the colocated engine without cache. Salted:
+    it starts cold whichever test ran first."""
     from router import metrics
     from router.orchestrator import Orchestrator, RouterPolicy
 
     dep, _ = deployment
-    policy = RouterPolicy(local_prefill_uncached=block + 130)
+    policy = RouterPolicy(local_prefill_uncached=cases["document"].length)
     orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, policy)
-    plans = metrics.PREFILL_PLANS.labels("cached on decode")
-    decided, decode, hits = plans._value.get(), None, 0
-    for turn in range(1, TURNS + 1):
-        name = f"turn{turn}"
-        engines = [decode] if decode else dep.decode.members
-        cached_before = {m.name: _prompt_tokens(m).get("local_cache_hit", 0) for m in engines}
-        bytes_before = {m.name: _nixl_bytes(m) for m in engines}
-        tokens, result = _generate(orchestrator, f"local-{name}", cases[name], cache_salt="local-prefill")
-        assert_matches(tokens, uncached[name])
-        assert result.prefill_worker == "", f"turn {turn} took a handoff from {result.prefill_worker}"
-        decode = decode or _member(dep, result.decode_worker)
-        assert result.decode_worker == decode.name, f"turn {turn} left the engine holding the conversation"
-        assert _nixl_bytes(decode) == bytes_before[decode.name]  # nothing moved
-        hit = _prompt_tokens(decode).get("local_cache_hit", 0) - cached_before[decode.name]
-        assert hit % block == 0 and result.cached_tokens == hit, (turn, hit, result.cached_tokens)
-        hits += hit > 0
-    assert hits >= TURNS - 2, "the decode engine found no earlier turn in its cache"
-    assert plans._value.get() > decided, "no turn was planned onto decode for what it held"
+    plans = metrics.PREFILL_PLANS
+    short, held = plans.labels("short prompt")._value.get(), plans.labels("cached on decode")._value.get()
+    _, first = _generate(orchestrator, "local-document", cases["document"], cache_salt="local-prefill")
+    assert first.prefill_worker == "" and plans.labels("short prompt")._value.get() == short + 1
+    holder = _member(dep, first.decode_worker)
+    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
+    tokens, result = _generate(orchestrator, "local-longer", cases["longer"], cache_salt="local-prefill")
+    assert_matches(tokens, uncached["longer"])
+    assert plans.labels("cached on decode")._value.get() == held + 1
+    assert result.prefill_worker == "" and result.decode_worker == holder.name
+    assert result.cached_tokens == 2 * block
+    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == 2 * block
+    assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
     assert_no_blocks_held(dep)
 
 
