@@ -58,6 +58,7 @@ from bench.loadgen import (
     RunReport,
     add_load_args,
     format_row,
+    LoadConfig,
     load_config,
     plot_cdfs,
     plot_goodput,
@@ -371,7 +372,7 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[str]:
         stock.wait_ready(timeout_s=600)
         port = _free_port()
         command = [args.smg, "launch", "--worker-urls", *stock.urls, "--policy", served.smg_policy]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+        command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-host", "127.0.0.1", "--log-level", "warn"]
         gateway = _System(f"SMG {served.smg_policy}", [(command, {}, f"http://127.0.0.1:{port}")])
         started.append(gateway)
         gateway.wait_ready(timeout_s=120)
@@ -391,13 +392,26 @@ def text_prompts(prompts: list[list[int]], model: str) -> tuple[list[str], list[
     return texts, [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
 
+async def _warm_up(target: HTTPTarget, trace: RagTrace, config: LoadConfig, model: str) -> None:
+    """Serial unmeasured requests, text as the measured ones (SMG takes no token ids), from
+    documents no measured request shares."""
+    specs, prompts = dataclasses.replace(trace, seed=trace.seed + 10_000).requests(1.0, config.warmup)
+    texts, _ = text_prompts(prompts, model)
+    quiet = dataclasses.replace(config, progress=False)
+    for spec, text in zip(specs, texts):
+        alone = [dataclasses.replace(spec, arrival_s=0.0)]
+        report = await run_workload(target, alone, quiet, "warm-up", None, prompts=[text])
+        if not report.summary.completed:
+            raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
+
+
 async def run_served(served: Served, base_url: str, trace: RagTrace, rates: list[float], args: argparse.Namespace):
     config = load_config(args)
     model = resolve_model(args.model)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits) as client:
         target = HTTPTarget(client, base_url, MODEL_NAME)
-        await warm_up(target, config)
+        await _warm_up(target, trace, config, model)
         reports = []
         for rate in rates:
             specs, prompts = trace.requests(rate, config.num_requests)
