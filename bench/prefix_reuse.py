@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
 import shutil
 import random
@@ -104,6 +105,42 @@ class RagTrace:
         arrivals = poisson_arrivals(rate, count, random.Random(f"rag-arrivals-{self.seed}"))
         specs = [RequestSpec(i, t, len(p), self.output_tokens) for i, (t, p) in enumerate(zip(arrivals, prompts))]
         return specs, prompts
+
+
+@dataclass(frozen=True, slots=True)
+class MooncakeTrace:
+    """A trace in Mooncake's published format (kvcache-ai/Mooncake's traces): a JSON row per
+    request, {"timestamp": ms, "input_length": N, "output_length": M, "hash_ids": [...]}, each
+    hash id one `block_tokens` block of the prompt, shared by every request naming it. Replayed
+    as synthetic tokens: each id becomes seeded token ids, a prompt is its blocks cut to
+    input_length; arrivals keep the trace's pattern, stretched to the asked mean rate."""
+
+    path: Path
+    block_tokens: int = 512
+    seed: int = 0
+
+    def requests(self, rate: float, count: int) -> tuple[list[RequestSpec], list[list[int]]]:
+        with open(self.path) as lines:
+            rows = [json.loads(line) for line in lines if line.strip()][:count]
+        if len(rows) < 2:
+            raise ValueError(f"{self.path}: a trace needs two or more rows")
+        start, span = rows[0]["timestamp"], (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1e3
+        stretch = (len(rows) / span) / rate if span > 0 else 0.0  # the trace's own rate over the asked one
+        blocks: dict[int, list[int]] = {}
+        specs, prompts = [], []
+        for i, row in enumerate(rows):
+            tokens = [t for h in row["hash_ids"] for t in blocks.setdefault(h, self._block(h))]
+            prompt = tokens[: row["input_length"]]
+            if len(prompt) < row["input_length"]:
+                raise ValueError(f"{self.path}: row {i} has {row['input_length']} input tokens but fewer in its blocks")
+            arrival = (row["timestamp"] - start) / 1e3 * stretch
+            specs.append(RequestSpec(i, arrival, len(prompt), row["output_length"]))
+            prompts.append(prompt)
+        return specs, prompts
+
+    def _block(self, hash_id: int) -> list[int]:
+        ids = random.Random(f"mooncake-{self.seed}-{hash_id}")
+        return [ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.block_tokens)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,10 +429,10 @@ def text_prompts(prompts: list[list[int]], model: str) -> tuple[list[str], list[
     return texts, [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 
 
-async def _warm_up(target: HTTPTarget, trace: RagTrace, config: LoadConfig, model: str) -> None:
+async def _warm_up(target: HTTPTarget, config: LoadConfig, model: str) -> None:
     """Serial unmeasured requests, text as the measured ones (SMG takes no token ids), from
     documents no measured request shares."""
-    specs, prompts = dataclasses.replace(trace, seed=trace.seed + 10_000).requests(1.0, config.warmup)
+    specs, prompts = RagTrace(seed=config.seed + 10_000).requests(1.0, config.warmup)
     texts, _ = text_prompts(prompts, model)
     quiet = dataclasses.replace(config, progress=False)
     for spec, text in zip(specs, texts):
@@ -405,13 +442,15 @@ async def _warm_up(target: HTTPTarget, trace: RagTrace, config: LoadConfig, mode
             raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
 
 
-async def run_served(served: Served, base_url: str, trace: RagTrace, rates: list[float], args: argparse.Namespace):
+async def run_served(
+    served: Served, base_url: str, trace: RagTrace | MooncakeTrace, rates: list[float], args: argparse.Namespace
+) -> list[RunReport]:
     config = load_config(args)
     model = resolve_model(args.model)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits) as client:
         target = HTTPTarget(client, base_url, MODEL_NAME)
-        await _warm_up(target, trace, config, model)
+        await _warm_up(target, config, model)
         reports = []
         for rate in rates:
             specs, prompts = trace.requests(rate, config.num_requests)
@@ -426,7 +465,8 @@ async def run_served(served: Served, base_url: str, trace: RagTrace, rates: list
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--trace", choices=["rag", "chat"], default="rag")
+    parser.add_argument("--trace", choices=["rag", "chat", "mooncake"], default="rag")
+    parser.add_argument("--trace-file", type=Path, help="--trace mooncake: the JSONL trace to replay")
     parser.add_argument(
         "--rate",
         type=float,
@@ -459,9 +499,19 @@ def main(argv: list[str] | None = None) -> int:
     chosen = {key: RAG_SYSTEMS[key] for key in args.systems}
     if any(s.smg_policy for s in chosen.values()) and not shutil.which(args.smg):
         parser.error(f"--smg {args.smg}: not found; pip install smg (a virtual environment of its own will do)")
-    trace = RagTrace(
-        args.documents, args.document_tokens, args.question_tokens, args.output_tokens, args.zipf, args.seed
-    )
+    if args.trace == "mooncake":
+        if args.trace_file is None:
+            parser.error("--trace mooncake needs --trace-file (Mooncake's JSONL format)")
+        trace: RagTrace | MooncakeTrace = MooncakeTrace(args.trace_file, seed=args.seed)
+        shape = f"Mooncake trace {args.trace_file} (512-token blocks as seeded token ids, as text)"
+    else:
+        trace = RagTrace(
+            args.documents, args.document_tokens, args.question_tokens, args.output_tokens, args.zipf, args.seed
+        )
+        shape = (
+            f"RAG: {trace.documents} documents of {trace.document_tokens} token ids as text (Zipf {trace.zipf}), "
+            f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out"
+        )
     args.rate = args.rate or [1.0, 2.0, 4.0]
     series: dict[str, list[RunReport]] = {}
     for served in chosen.values():
@@ -469,13 +519,12 @@ def main(argv: list[str] | None = None) -> int:
         with serving(served, args) as base_url:
             series[served.label] = asyncio.run(run_served(served, base_url, trace, args.rate, args))
     rows = [Row.of(name, report) for name, reports in series.items() for report in reports]
-    write_json(args.out, {"trace": asdict(trace), "rows": [asdict(r) for r in rows]})
+    write_json(args.out, {"trace": shape, "rows": [asdict(r) for r in rows]})
     plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
     plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))
     print(
-        f"RAG: {trace.documents} documents of {trace.document_tokens} token ids as text (Zipf {trace.zipf}), "
-        f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out, {args.num_requests} "
-        f"requests per rate; SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms"
+        f"{shape}, {args.num_requests} requests per rate; "
+        f"SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms"
     )
     for row in rows:
         print(row.line())

@@ -25,7 +25,7 @@ from vllm_engine.embedded_model.texts import token_stream
 if TYPE_CHECKING:
     import torch
 
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,15 +86,15 @@ def _head(config: object) -> "torch.nn.Module":
     return head
 
 
-def draft_logits(model: object, head: "torch.nn.Module", ids: "torch.Tensor") -> "torch.Tensor":
-    """The head's logits for tokens 2.. of `ids` (batch, length), as vLLM computes a draft:
-    fc(embedding of token t+1 ++ final hidden state at t), one causal decoder layer, norm,
-    the model's LM head."""
+def draft_logits(
+    model: object, head: "torch.nn.Module", embedded: "torch.Tensor", hidden: "torch.Tensor"
+) -> "torch.Tensor":
+    """The head's logits for tokens 2.. of a window (batch, length), as vLLM computes a draft:
+    fc(embedding of token t+1 ++ the model's final hidden state at t), one causal decoder
+    layer, norm, the model's LM head. `embedded`, `hidden`: the window's token embeddings and
+    final hidden states."""
     import torch
 
-    with torch.no_grad():
-        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state
-        embedded = model.model.embed_tokens(ids)
     x = head.fc(torch.cat([head.pre_fc_norm_embedding(embedded[:, 1:]), head.pre_fc_norm_hidden(hidden[:, :-1])], -1))
     length = x.shape[1]
     positions = torch.arange(length).view(1, 1, -1).expand(3, x.shape[0], -1)
@@ -114,13 +114,20 @@ def _train(model: object, stream: list[int], recipe: MtpRecipe) -> "torch.nn.Mod
     model.eval()
     generator = torch.Generator().manual_seed(recipe.seed)
     ring = torch.tensor(stream + stream[: recipe.seq_len], dtype=torch.long)
+    # The frozen model reads the corpus once, as one sequence: every window then sees hidden
+    # states with the context an engine's would have, and a step costs only the head.
+    with torch.no_grad():
+        all_hidden = model.model(input_ids=ring[None], use_cache=False).last_hidden_state[0]
+        all_embedded = model.model.embed_tokens(ring)
     optimizer = torch.optim.AdamW(head.parameters(), lr=recipe.learning_rate, betas=(0.9, 0.95), weight_decay=0.0)
     started = time.monotonic()
     print(f"training an MTP head for the embedded model: {recipe.steps} steps", file=sys.stderr, flush=True)
     for step in range(1, recipe.steps + 1):
-        starts = torch.randint(0, len(stream), (recipe.batch_size,), generator=generator)
-        batch = torch.stack([ring[s : s + recipe.seq_len] for s in starts.tolist()])
-        logits = draft_logits(model, head, batch)[:, :-1]
+        starts = torch.randint(0, len(stream), (recipe.batch_size,), generator=generator).tolist()
+        batch = torch.stack([ring[s : s + recipe.seq_len] for s in starts])
+        embedded = torch.stack([all_embedded[s : s + recipe.seq_len] for s in starts])
+        hidden = torch.stack([all_hidden[s : s + recipe.seq_len] for s in starts])
+        logits = draft_logits(model, head, embedded, hidden)[:, :-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 2:].reshape(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)

@@ -1,0 +1,35 @@
+"""bench.prefix_reuse replays traces in Mooncake's format: rows sharing a hash id share that
+block's tokens, prompts are cut to their input length, arrivals keep the trace's pattern at
+the asked rate (a fast test: no engine)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.prefix_reuse import MooncakeTrace
+
+ROWS = [
+    {"timestamp": 1000, "input_length": 1100, "output_length": 20, "hash_ids": [7, 8, 9]},
+    {"timestamp": 1500, "input_length": 700, "output_length": 30, "hash_ids": [7, 10]},
+    {"timestamp": 3000, "input_length": 512, "output_length": 5, "hash_ids": [11]},
+]
+
+
+def test_shared_hash_ids_share_tokens_and_arrivals_keep_their_pattern(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    specs, prompts = MooncakeTrace(path).requests(rate=3.0, count=10)
+    assert [len(p) for p in prompts] == [s.prompt_tokens for s in specs] == [1100, 700, 512]
+    assert [s.output_tokens for s in specs] == [20, 30, 5]
+    assert prompts[0][:512] == prompts[1][:512]  # hash id 7
+    assert prompts[0][512:700] != prompts[1][512:700]  # 8 and 10 differ
+    assert prompts[2][:512] not in (prompts[0][:512], prompts[1][:512])
+    # 3 rows over 2 s is 1.5 req/s: at 3 req/s the gaps halve, their ratio stays.
+    assert [s.arrival_s for s in specs] == pytest.approx([0.0, 0.25, 1.0])
+    assert MooncakeTrace(path, seed=1).requests(3.0, 10)[1][0] != prompts[0]  # seeded
+    too_long = tmp_path / "bad.jsonl"
+    too_long.write_text(json.dumps({**ROWS[2], "input_length": 600}) + "\n" + json.dumps(ROWS[2]) + "\n")
+    with pytest.raises(ValueError, match="row 0 has 600 input tokens"):
+        MooncakeTrace(too_long).requests(1.0, 10)
