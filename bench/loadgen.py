@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import itertools
 import json
 import math
 import random
@@ -457,8 +458,8 @@ def _save(fig: Figure, path: Path) -> None:
 
 
 def plot_cdfs(series: dict[str, Sequence[RunReport]], path: Path) -> None:
-    """TTFT, inter-token gap and end-to-end CDFs of completed requests: one line style per
-    series (system), one colour per run in it (rate), so equal rates share a colour."""
+    """TTFT, inter-token gap and end-to-end CDFs of completed requests: one colour per series
+    (system), one line style per run in it (rate), so equal rates share a style."""
     plt = _pyplot()
     metrics = {
         "TTFT": lambda r: [q.token_times_s[0] for q in r.requests if q.completed],
@@ -467,8 +468,8 @@ def plot_cdfs(series: dict[str, Sequence[RunReport]], path: Path) -> None:
     }
     fig, axes = plt.subplots(1, len(metrics), figsize=(15, 4.5))
     for ax, (name, values_of) in zip(axes, metrics.items()):
-        for style, runs in zip(("-", "--", ":", "-."), series.values()):
-            for colour, run in enumerate(runs):
+        for colour, runs in enumerate(series.values()):
+            for style, run in zip(itertools.cycle(("-", "--", ":", "-.")), runs):
                 values = sorted(values_of(run))
                 fractions = [(i + 1) / len(values) for i in range(len(values))]
                 ax.plot(values, fractions, linestyle=style, color=f"C{colour % 10}", label=run.label)
