@@ -542,7 +542,7 @@ def _print_ratios(series: dict[str, list[RunReport]], chosen: dict[str, Served])
             continue
         for i, mine in enumerate(series[labels[key]]):
             parts = [f"{labels[key]} at {mine.rate:g} req/s: TTFT p50"]
-            if "blind" in labels:
+            if key == "aware" and "blind" in labels:  # the same colocated engines, routed blind
                 parts.append(f"/ cache-blind {_ratio(mine, series[labels['blind']][i]):.2f}x (target <= 0.4)")
             if stock:
                 best = min((runs[i] for runs in stock), key=lambda r: r.summary.ttft_s.p50 or float("inf"))
