@@ -334,6 +334,8 @@ class Deployment:
                     f"{member.name}: no node offered {placement.bundle_specs[0]} on one node within {timeout:.0f}s: "
                     "add nodes of that pool's type (or let the autoscaler), or lower the TP size"
                 ) from None
+        if not members:  # a resize that only shrinks
+            return
         starting = {m.name: asyncio.ensure_future(m.actor.ready.remote()) for m in members}
         _, late = await asyncio.wait(starting.values(), timeout=self.config.start_timeout_s)
         if late:

@@ -373,10 +373,10 @@ def test_a_request_whose_handoff_fails_its_digests_is_prefilled_again_with_the_r
     real, tampered = orchestrator._prefill_or_local, []
 
     async def tampering_with_the_first(leg):  # the fault, at the moment it would happen
-        member, result = await real(leg)
+        member, result, plan = await real(leg)
         if not tampered:
             tampered.append(tamper_state(prefill, state_slots(layout, result.handle), "flip_a_byte"))
-        return member, result
+        return member, result, plan
 
     orchestrator._prefill_or_local = tampering_with_the_first
     request = dataclasses.replace(make_request("x", "digest-retry"), cache_salt="tampered-retry")

@@ -30,3 +30,9 @@ def test_an_engine_stuck_in_start_up_is_named_within_the_bound():
     members = [Member("decode-0", _Actor(0)), Member("decode-1", _Actor(60))]
     with pytest.raises(RuntimeError, match=r"^decode-1: not started within 0.2s"):
         asyncio.run(asyncio.wait_for(deployment._ready(members), 5))
+
+
+def test_no_engine_to_start_is_no_wait():
+    deployment = Deployment(DeploymentConfig(engine=EngineConfig(model="m")))
+    asyncio.run(deployment._ready([]))  # a resize that only shrinks
+    assert deployment.capacities == {}
