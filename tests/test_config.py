@@ -241,3 +241,23 @@ def test_required_flags_are_marked_in_help_and_docs():
     assert not flags["gpus-per-instance"].required
     serve = {flag.name: flag for flag in tree_flags(ServeConfig)}
     assert not serve["tls-cert"].required, "needed only with the other --tls-* flags"
+
+
+def test_serve_derives_the_local_prefill_limit_from_the_planner_model(tmp_path, capsys):
+    """Unset, conditional disaggregation takes the break-even of the planner model's costs
+    (and says so); without a model it is off; a given value stays."""
+    from cli.main import _with_local_prefill_limit
+    from planner.model import PerformanceModel
+
+    model = tmp_path / "model.json"
+    PerformanceModel.seeds_example().save(model)
+    derived = _with_local_prefill_limit(parse("--planner-model", str(model)))
+    assert derived.router.policy.local_prefill_uncached == 23
+    assert derived.deployment.policy.local_prefill_uncached == 23  # the one policy
+    assert "lacks at most 23 prompt tokens" in capsys.readouterr().err
+    assert _with_local_prefill_limit(parse()).router.policy.local_prefill_uncached == 0
+    assert "off: no --planner-model" in capsys.readouterr().err
+    given = _with_local_prefill_limit(parse("--local-prefill-uncached", "7", "--planner-model", str(model)))
+    assert given.router.policy.local_prefill_uncached == 7
+    colocated = _with_local_prefill_limit(parse("--prefill", "0"))
+    assert colocated.router.policy.local_prefill_uncached is None  # no handoff to save
