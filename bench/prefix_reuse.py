@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -419,12 +420,17 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[str]:
             system.stop()
 
 
+@functools.cache
+def _tokenizer(model: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
 def text_prompts(prompts: list[list[int]], model: str) -> tuple[list[str], list[int]]:
     """The prompts as the text a client sends (SMG's cache-aware policy matches text), and how
     many tokens the model's tokenizer makes of each."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = _tokenizer(model)
     texts = [tokenizer.decode(p) for p in prompts]
     return texts, [len(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
 

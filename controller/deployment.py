@@ -97,14 +97,12 @@ class DeploymentConfig:
                 f"num_prefill {self.num_prefill}, num_decode {self.num_decode}: "
                 "at least one decode engine, prefill 0 or more"
             )
-        for name, value, low in (
-            ("max_restarts", self.max_restarts, 0),
-            ("drain_quiet_s", self.drain_quiet_s, 0),
-            ("placement_timeout_s", self.placement_timeout_s, 1e-9),
-            ("start_timeout_s", self.start_timeout_s, 1e-9),
-        ):
-            if value < low:
-                raise ValueError(f"{name} {value}: must be {'>= 0' if low == 0 else '> 0'}")
+        for name in ("max_restarts", "drain_quiet_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("placement_timeout_s", "start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.switch_roles and not self.num_prefill:
             raise ValueError("role switching moves engines between prefill and decode: serve with --prefill >= 1")
         if self.switch_roles and self.prefill_sizing != self.decode_sizing:

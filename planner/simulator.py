@@ -298,8 +298,7 @@ class _Requests:
     def __init__(self, workload: Workload, rate: float) -> None:
         self.arrival: list[float] = workload.arrivals(rate).tolist()
         self.prompt: list[int] = workload.prompt_tokens.tolist()
-        cached = workload.cached_tokens
-        self.uncached: list[int] = self.prompt if cached is None else (workload.prompt_tokens - cached).tolist()
+        self.uncached: list[int] = workload.uncached_tokens.tolist()
         self.output: list[int] = workload.output_tokens.tolist()
         count = len(workload)
         self.prefill_start = [0.0] * count

@@ -66,8 +66,9 @@ class RouterPolicy:
     # kernel fails on 1-token prefills. vLLM's own kv_recompute_threshold is 64.
     local_prefill_below: int = knob(3, help="prompts shorter than this prefill on the decode engine (no transfer)")
     # Conditional disaggregation (Dynamo's max_local_prefill_length, made per request from the
-    # decode engine's own prefix cache): a conversation's next turn mostly sits on the decode
-    # engine that served the last, and computing its few new tokens there beats a handoff.
+    # decode engine's own prefix cache): a few missing tokens cost less to compute there than a
+    # handoff. A hybrid's decode engine keeps no state checkpoint while decoding, so it hits
+    # only on prompts it prefilled itself.
     local_prefill_uncached: int | None = knob(
         None,
         help="prefill on the decode engine when it lacks at most this many of the prompt's tokens (its prefix "
