@@ -26,11 +26,12 @@ from typing import Any, Callable, Literal, Mapping
 
 from messages.errors import NoWorkerError
 from messages.membership import Lifecycle, MemberState
-from messages.reports import EngineCapacity, EngineLoad
+from messages.reports import EngineCapacity, EngineLoad, PrefixHit
 
 log = logging.getLogger(__name__)
 
 JOINING, LIVE, DRAINING, DEAD = Lifecycle.JOINING, Lifecycle.LIVE, Lifecycle.DRAINING, Lifecycle.DEAD
+_NO_HIT = PrefixHit()  # an engine not asked, or that did not answer in time
 
 # Where each state may go. Only a handshake (JOINING) leads to LIVE; a leaving member comes
 # back only as one joining the other pool (a role switch). Going to the state a member is
@@ -187,36 +188,40 @@ class Pool:
     # engines do not all pick the first one.
     _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
 
-    def pick_prefill(self, prompt_tokens: int = 0, cached: Mapping[str, int] | None = None) -> RouteDecision:
+    def pick_prefill(self, prompt_tokens: int = 0, cached: Mapping[str, PrefixHit] | None = None) -> RouteDecision:
         """Least prefill work: the prompt tokens it must compute (those not in its prefix
         cache, where `cached` says, by member name) plus those already queued on it; prefill
-        time is proportional to them."""
+        time is proportional to them. Of equal work, the one holding the longest attention
+        prefix: it keeps a hybrid's state checkpoint there for the next request (PrefixHit)."""
         cached = cached or {}
 
         def work(m: Member) -> tuple[int, ...]:
-            return (prompt_tokens - cached.get(m.name, 0) + m.outstanding_prompt_tokens,)
+            hit = cached.get(m.name, _NO_HIT)
+            return (prompt_tokens - hit.tokens + m.outstanding_prompt_tokens, -hit.attention_tokens)
 
         decision = self._pick(work)
         if not cached:
             return decision
-        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, 0))
+        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, _NO_HIT).tokens)
 
-    def pick_decode(self, cached: Mapping[str, int] | None = None, slack: int = 1) -> RouteDecision:
+    def pick_decode(self, cached: Mapping[str, PrefixHit] | None = None, slack: int = 1) -> RouteDecision:
         """Fewest requests (from all routers), then most free KV/state capacity. With
-        `cached` (the prompt tokens each holds, by name): the one holding the most among
+        `cached` (what each holds of the prompt, by name): the one holding the most among
         those within `slack` requests of the fewest, since a decode step costs little more
-        per extra stream while a hit moves and computes less (a conversation's next turn)."""
+        per extra stream while a hit moves and computes less (a conversation's next turn);
+        then the longest attention prefix, where a hybrid's state checkpoint will be kept."""
         if not cached:
             return self._pick(lambda m: (m.estimated_requests, -(m.load.free_blocks if m.load else 0)))
         fewest = min((m.estimated_requests for m in self.live), default=0)
 
         def key(m: Member) -> tuple[int, ...]:
             near = m.estimated_requests <= fewest + slack
-            hit = cached.get(m.name, 0) if near else 0
-            return (0 if near else 1, -hit, m.estimated_requests, -(m.load.free_blocks if m.load else 0))
+            hit = cached.get(m.name, _NO_HIT) if near else _NO_HIT
+            free = m.load.free_blocks if m.load else 0
+            return (0 if near else 1, -hit.tokens, -hit.attention_tokens, m.estimated_requests, -free)
 
         decision = self._pick(key)
-        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, 0))
+        return dataclasses.replace(decision, cached_tokens=cached.get(decision.member.name, _NO_HIT).tokens)
 
     def _pick(self, load_key: Callable[[Member], tuple[int, ...]]) -> RouteDecision:
         """The live member of least `load_key`; ties rotate. No I/O: it reads what is known."""

@@ -1,4 +1,5 @@
-"""What engines report to the router: their load (polled) and their capacity (at start)."""
+"""What engines report to the router: their load (polled), their capacity (at start) and
+how much of a prompt their prefix cache holds (asked per request)."""
 
 from __future__ import annotations
 
@@ -58,3 +59,21 @@ class EngineCapacity:
             if self.niceness > 0
             else ""
         )
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixHit:
+    """How much of one prompt an engine's prefix cache holds.
+
+    `tokens` it would reuse now. `attention_tokens` (>= tokens) it holds the attention blocks
+    of: on a hybrid they exceed `tokens` where no DeltaNet state checkpoint was kept at their
+    end. Such an engine computes the prompt now but keeps a checkpoint there (vLLM's
+    shared-prefix junction), so the next prompt sharing that prefix hits on it and nowhere else.
+    """
+
+    tokens: int = 0
+    attention_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.tokens <= self.attention_tokens:
+            raise ValueError(f"need 0 <= tokens <= attention_tokens, got {self.tokens} and {self.attention_tokens}")

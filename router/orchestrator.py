@@ -33,6 +33,7 @@ from messages.errors import (
     PrefillTimeoutError,
     TransferFailedError,
 )
+from messages.reports import PrefixHit
 from messages.requests import GenerateRequest, ModelLimits
 from messages.results import FEED_HEARTBEAT_S, GenerationResult, PrefillResult, TokenChunk
 from configuration.fields import knob
@@ -336,14 +337,14 @@ class Orchestrator:
     def plan_prefill(
         self,
         request: GenerateRequest,
-        cached: Mapping[str, int] | None = None,
-        decode_cached: Mapping[str, int] | None = None,
+        cached: Mapping[str, PrefixHit] | None = None,
+        decode_cached: Mapping[str, PrefixHit] | None = None,
     ) -> PrefillPlan:
         """Prefill on the prefill pool, or (colocated, short prompt, a decode engine that lacks
         at most `local_prefill_uncached` of it, prompt logprobs of a request decode samples
         whole, or no live prefill engine under policy "local") leave the prompt to a decode
-        engine. `cached` / `decode_cached`: the prompt tokens each prefill / decode engine
-        holds, by name (`cached_prefixes`). No I/O."""
+        engine. `cached` / `decode_cached`: what each prefill / decode engine holds of the
+        prompt, by name (`cached_prefixes`). No I/O."""
         if self.colocated:
             return PrefillPlan(None, "colocated")
         prompt = len(request.prompt_token_ids)
@@ -421,7 +422,7 @@ class Orchestrator:
 
     async def cached_prefixes(
         self, pool: Pool, request: GenerateRequest, state_pulled: bool = False, even_one: bool = False
-    ) -> dict[str, int]:
+    ) -> dict[str, PrefixHit]:
         """How much of the prompt each live engine of `pool` holds in its prefix cache, asked
         when there is a choice to make (`even_one`: of a single engine too; an engine that
         answers late or not at all counts 0); `state_pulled`: for decode legs that pull the
@@ -470,7 +471,7 @@ class Orchestrator:
             except RayActorError as err:
                 member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
 
-    async def _decode_holdings(self, request: GenerateRequest) -> dict[str, int]:
+    async def _decode_holdings(self, request: GenerateRequest) -> dict[str, PrefixHit]:
         """What each decode engine holds of a prompt it might prefill itself (conditional
         disaggregation on); not asked when the answer could not change the plan."""
         limit, prompt = self.policy.local_prefill_uncached or 0, len(request.prompt_token_ids)

@@ -14,6 +14,7 @@ from ray.exceptions import ActorDiedError
 from cluster.pools import Member, Pool
 from messages.errors import NoWorkerError
 from messages.membership import Lifecycle
+from messages.reports import PrefixHit
 from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
 from router.orchestrator import Orchestrator, RouterPolicy
 
@@ -24,8 +25,8 @@ class _Nothing:
     """`actor.cached_prefix.remote(prompt)`: holds none of it."""
 
     def remote(self, prompt: list[int], state_pulled: bool = False, cache_salt: str = ""):  # noqa: ANN201
-        async def call() -> int:
-            return 0
+        async def call() -> PrefixHit:
+            return PrefixHit()
 
         return call()
 
@@ -85,17 +86,19 @@ def test_a_decode_engine_holding_all_but_a_few_tokens_prefills_them_itself():
         member.mark_live()
     orchestrator.decode = Pool("decode", decode)
     # 16 prompt tokens: decode-1 lacks 4 of them, decode-0 all.
-    plan = orchestrator.plan_prefill(REQUEST, {}, {"decode-0": 0, "decode-1": 12})
+    plan = orchestrator.plan_prefill(REQUEST, {}, {"decode-0": PrefixHit(), "decode-1": PrefixHit(12, 12)})
     assert plan.reason == "cached on decode" and plan.route is None
     assert plan.decode.member.name == "decode-1" and plan.decode.cached_tokens == 12
-    assert orchestrator.plan_prefill(REQUEST, {}, {"decode-0": 0, "decode-1": 11}).reason == "prefill pool"
+    short_of_it = {"decode-0": PrefixHit(), "decode-1": PrefixHit(11, 11)}
+    assert orchestrator.plan_prefill(REQUEST, {}, short_of_it).reason == "prefill pool"
     # A prompt no longer than the limit needs no hit: computing it costs less than a handoff.
     four = GenerateRequest("r-3", (1, 2, 3, 4), SamplingConfig(max_tokens=2))
     assert orchestrator.plan_prefill(four).reason == "short prompt"
     # Off (the default without a planner model): the prefill pool, whatever decode holds.
     off = _orchestrator(_Prefill("done"))
     off.decode = orchestrator.decode
-    assert off.plan_prefill(REQUEST, {}, {"decode-0": 16, "decode-1": 16}).reason == "prefill pool"
+    all_of_it = {"decode-0": PrefixHit(16, 16), "decode-1": PrefixHit(16, 16)}
+    assert off.plan_prefill(REQUEST, {}, all_of_it).reason == "prefill pool"
 
 
 def test_a_dead_decode_engine_migrates_the_stream_until_the_policy_says_fail():

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from cluster.pools import Member, Pool
 from kv_transfer.layout import CacheGroup, GroupKind, StateLayout
+from messages.reports import PrefixHit
 from vllm_engine.prefix_index import PrefixIndex
 
 BLOCK = 4
@@ -38,30 +40,30 @@ def _index(attention: list[int], states: list[int]) -> PrefixIndex:
 
 def test_a_hit_ends_at_the_last_block_end_with_every_state():
     # Attention holds 3 blocks; a DeltaNet checkpoint exists only after block 2.
-    assert _index(HASHES[:3], [HASHES[1]]).cached_tokens(HASHES, 17, LAYOUT) == 2 * BLOCK
+    assert _index(HASHES[:3], [HASHES[1]]).hit(HASHES, 17, LAYOUT) == PrefixHit(2 * BLOCK, 3 * BLOCK)
 
 
 def test_a_checkpoint_beyond_the_attention_blocks_is_no_hit():
-    assert _index(HASHES[:1], [HASHES[2]]).cached_tokens(HASHES, 17, LAYOUT) == 0
+    assert _index(HASHES[:1], [HASHES[2]]).hit(HASHES, 17, LAYOUT).tokens == 0
 
 
 def test_a_checkpoint_missing_in_one_state_group_is_no_hit():
     index = _index(HASHES, [])
     index.apply([_stored([HASHES[3]], 0), _stored([HASHES[3]], 1)])  # not group 2
-    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0
+    assert index.hit(HASHES, 17, LAYOUT).tokens == 0
 
 
 def test_the_prompts_last_token_is_always_computed():
     # A 16-token prompt (4 whole blocks, all cached) reuses 3 blocks, as vLLM's scheduler does.
-    assert _index(HASHES, HASHES).cached_tokens(HASHES, 16, LAYOUT) == 3 * BLOCK
+    assert _index(HASHES, HASHES).hit(HASHES, 16, LAYOUT).tokens == 3 * BLOCK
 
 
 def test_removals_and_clears_take_blocks_out():
     index = _index(HASHES, HASHES)
     index.apply([BlockRemoved([HASHES[1]], None, group_idx=3)])  # an attention block evicted
-    assert index.cached_tokens(HASHES, 17, LAYOUT) == BLOCK
+    assert index.hit(HASHES, 17, LAYOUT).tokens == BLOCK
     index.apply([AllBlocksCleared()])
-    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0 and len(index) == 0
+    assert index.hit(HASHES, 17, LAYOUT).tokens == 0 and len(index) == 0
 
 
 def _member(name: str) -> Member:
@@ -72,7 +74,7 @@ def _member(name: str) -> Member:
 
 def test_prefill_goes_where_the_least_work_is_left():
     pool = Pool("prefill", [_member("p0"), _member("p1")])
-    cached = {"p0": 0, "p1": 1500}
+    cached = {"p0": PrefixHit(), "p1": PrefixHit(1500, 1500)}
 
     async def picks() -> list[str]:
         async with pool.in_flight(pool.members[1], prompt_tokens=300):
@@ -89,7 +91,7 @@ def test_prefill_goes_where_the_least_work_is_left():
 
 def test_decode_goes_to_the_engine_holding_the_conversation_unless_it_is_busier():
     pool = Pool("decode", [_member("d0"), _member("d1")])
-    cached = {"d0": 0, "d1": 512}
+    cached = {"d0": PrefixHit(), "d1": PrefixHit(512, 512)}
 
     async def picks() -> list[str]:
         names = [pool.pick_decode(cached, slack=1).member.name]  # both idle: the hit wins
@@ -103,10 +105,33 @@ def test_decode_goes_to_the_engine_holding_the_conversation_unless_it_is_busier(
     assert pool.pick_decode().cached_tokens is None
 
 
+def test_of_equal_work_the_engine_holding_the_attention_prefix_wins():
+    # Neither holds a DeltaNet checkpoint for the prompt, so both compute it all; the one with
+    # the attention blocks keeps a checkpoint at their end (vLLM's shared-prefix junction),
+    # so the next request sharing the prefix hits there. Blind to it, picks would alternate.
+    cached = {"e0": PrefixHit(), "e1": PrefixHit(0, 1536)}
+    prefill = Pool("prefill", [_member("e0"), _member("e1")])
+    decode = Pool("decode", [_member("e0"), _member("e1")])
+    assert {prefill.pick_prefill(2000, cached).member.name for _ in range(4)} == {"e1"}
+    assert {decode.pick_decode(cached, slack=1).member.name for _ in range(4)} == {"e1"}
+
+    # Once a request's work differs, the least work wins: the junction only breaks ties.
+    async def busy() -> str:
+        async with prefill.in_flight(prefill.members[1], prompt_tokens=100):
+            return prefill.pick_prefill(2000, cached).member.name
+
+    assert asyncio.run(busy()) == "e0"
+
+
+def test_a_hit_never_exceeds_its_attention_blocks():
+    with pytest.raises(ValueError, match="tokens <= attention_tokens"):
+        PrefixHit(512, 256)
+
+
 def test_a_decode_leg_that_pulls_its_state_needs_the_attention_blocks_alone():
     index = _index(HASHES[:3], [])  # no DeltaNet checkpoint anywhere
-    assert index.cached_tokens(HASHES, 17, LAYOUT) == 0
-    assert index.cached_tokens(HASHES, 17, LAYOUT, state_pulled=True) == 3 * BLOCK
+    assert index.hit(HASHES, 17, LAYOUT).tokens == 0
+    assert index.hit(HASHES, 17, LAYOUT, state_pulled=True).tokens == 3 * BLOCK
 
 
 def test_engine_socket_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):

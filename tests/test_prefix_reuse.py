@@ -220,6 +220,36 @@ def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, case
     assert_no_blocks_held(dep)
 
 
+def test_a_hybrid_prefix_without_its_checkpoint_goes_where_its_blocks_are(deployment, uncached, cases, block):
+    """Two prompts share 2 blocks, and each ends past a third: prefill keeps a state checkpoint
+    only at 3 blocks, so the second shares attention blocks but no checkpoint, a miss anywhere.
+    The router still sends it to the engine holding those blocks, where vLLM then keeps a
+    checkpoint at the 2 blocks they share (its shared-prefix junction): a third prompt
+    sharing them hits there, and equals the colocated engine without cache. Routed blind, the
+    second would go to the other engine half the time and the third would miss."""
+    dep, orchestrator = deployment
+    shared = cases["longer"].request("junction").prompt_token_ids[: 2 * block]
+    salt = "junction"
+
+    def ending(name: str, tail: tuple[int, ...]):
+        request = cases["longer"].request(f"pd-{name}", cache_salt=salt)
+        request = dataclasses.replace(request, prompt_token_ids=shared + tail)
+        return run(asyncio.wait_for(collect(orchestrator.generate(request)), 120))
+
+    lesson = _lesson()
+    _, first = ending("junction-1", tuple(reversed(lesson[: block + 50])))
+    holder = _member(dep, first.prefill_worker)
+    hits_before, predicted = _prompt_tokens(holder).get("local_cache_hit", 0), _predicted()
+    _, second = ending("junction-2", tuple(reversed(lesson[block + 50 : 2 * block + 100])))
+    assert second.prefill_worker == holder.name and second.cached_tokens == 0 and _predicted() == predicted
+    tokens, third = _generate(orchestrator, "junction-3", cases["longer"], cache_salt=salt)
+    assert_matches(tokens, uncached["longer"])
+    assert third.prefill_worker == holder.name and third.cached_tokens == 2 * block
+    assert _predicted() - predicted == 2 * block
+    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == 2 * block
+    assert_no_blocks_held(dep)
+
+
 @pytest.mark.parametrize("name", ["inside", "one_past"])
 def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached, cases, block, name):
     """A prefix of the cached document that ends inside its third block, or one token past

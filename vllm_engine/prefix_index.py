@@ -10,7 +10,7 @@ index starts again empty (it under-predicts until blocks are stored again, never
 
 A hybrid's hit needs every group: the attention blocks of each whole block up to the hit,
 and a DeltaNet state checkpoint at its end (vLLM keeps those only at some block ends, align
-mode). `cached_tokens` applies that rule as vLLM's scheduler does, including its cap: the
+mode). `PrefixIndex.hit` applies that rule as vLLM's scheduler does, including its cap: the
 prompt's last token is always computed. A decode leg that pulls its state needs the attention
 blocks alone: the producer's final state replaces any checkpoint.
 """
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
 from kv_transfer.layout import GroupKind, StateLayout
+from messages.reports import PrefixHit
 from vllm_engine.metrics import KV_EVENT_LAG, PREFIX_INDEX_BLOCKS, PREFIX_INDEX_RESYNCS
 
 if TYPE_CHECKING:
@@ -113,12 +114,12 @@ class PrefixIndex:
         with self._lock:
             self._blocks.clear()
 
-    def cached_tokens(
+    def hit(
         self, block_hashes: Sequence[BlockKey], prompt_tokens: int, layout: StateLayout, state_pulled: bool = False
-    ) -> int:
-        """Prompt tokens the engine of `layout` would reuse for a prompt whose full blocks have
-        these hashes. `state_pulled`: a decode leg that pulls the prompt's final state from a
-        producer needs only the attention blocks (vLLM's NixlConnector reads the rest)."""
+    ) -> PrefixHit:
+        """What the engine of `layout` holds of a prompt whose full blocks have these hashes.
+        `state_pulled`: a decode leg that pulls the prompt's final state from a producer needs
+        only the attention blocks (vLLM's NixlConnector reads the rest)."""
         block_size = layout.block_size
         usable = min(len(block_hashes), (prompt_tokens - 1) // block_size)
         with self._lock:
@@ -129,11 +130,11 @@ class PrefixIndex:
             while run < usable and all(block_hashes[run] in blocks for blocks in attention):
                 run += 1
             if state_pulled:
-                return run * block_size
+                return PrefixHit(run * block_size, run * block_size)
             for hit in range(run, 0, -1):  # the last block end that holds every state
                 if all(block_hashes[hit - 1] in blocks for blocks in states):
-                    return hit * block_size
-        return 0
+                    return PrefixHit(hit * block_size, run * block_size)
+        return PrefixHit(0, run * block_size)
 
 
 class EventSubscriber:

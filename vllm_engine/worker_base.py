@@ -17,7 +17,7 @@ from kv_transfer.link_probe import ProbeSource
 from kv_transfer.link_probe import read as read_probe
 from kv_transfer.metrics import serve_metrics
 from kv_transfer.producer import TransferProducer
-from messages.reports import EngineCapacity, EngineLoad
+from messages.reports import EngineCapacity, EngineLoad, PrefixHit
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, EngineWiring, exit_for_restart, start_engine
@@ -111,16 +111,16 @@ class EngineWorker:
 
     async def cached_prefix(
         self, prompt_token_ids: Sequence[int], state_pulled: bool = False, cache_salt: str = ""
-    ) -> int:
-        """Prompt tokens this engine would take from its prefix cache now (0 with caching off);
-        `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.cached_tokens)."""
+    ) -> PrefixHit:
+        """What this engine's prefix cache holds of the prompt (nothing with caching off);
+        `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.hit)."""
         if self._prefix_index is None:
-            return 0
+            return PrefixHit()
         if self._layout is None:  # fixed for the engine's life: built once, not per request
             self._layout = await self._engine.state_layout()
         layout = self._layout
         hashes = block_hashes(prompt_token_ids, layout.block_size, cache_salt)
-        return self._prefix_index.cached_tokens(hashes, len(prompt_token_ids), layout, state_pulled)
+        return self._prefix_index.hit(hashes, len(prompt_token_ids), layout, state_pulled)
 
     def prefix_index_blocks(self) -> int:
         """Block hashes the prefix index holds, every KV-cache group counted."""
