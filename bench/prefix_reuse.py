@@ -13,7 +13,8 @@ here), each given both cores:
 pdserve's engines are compiled like the stock servers' (`--pdserve-eager`: its CPU default).
 Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, and the share of
 prompt tokens served from a prefix cache (each server's own count, OpenAI usage
-`prompt_tokens_details.cached_tokens`); then each rate's TTFT p50 ratios of pdserve
+`prompt_tokens_details.cached_tokens`), and for pdserve the share of requests whose hit its
+engines' prefix indexes predicted within 5% (issue target >= 95%); then each rate's TTFT p50 ratios of pdserve
 cache-aware to cache-blind (issue target <= 0.4) and to the best stock setup (<= 1.0), and
 goodput ratios. Plotted: TTFT CDFs and goodput per rate beside the JSON. SMG is not in
 pdserve's environment: `pip install smg` into a virtual environment of its own and pass
@@ -307,9 +308,12 @@ class Row:
     goodput_rps: float
     slo_attainment: float
     cached_share: float  # cached prompt tokens / prompt tokens, completed requests
+    # Requests whose engine's prefix index predicted its hit within 5% (pdserve's router
+    # metric; None where the system has no index or no request asked it).
+    index_within_5pct: float | None = None
 
     @classmethod
-    def of(cls, system: str, report: RunReport) -> "Row":
+    def of(cls, system: str, report: RunReport, index_within_5pct: float | None = None) -> "Row":
         s = report.summary
         done = [r for r in report.requests if r.completed]
         prompt = sum(r.prompt_tokens for r in done)
@@ -322,6 +326,7 @@ class Row:
             goodput_rps=s.goodput_rps,
             slo_attainment=s.slo_attainment,
             cached_share=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
+            index_within_5pct=index_within_5pct,
         )
 
     def line(self) -> str:
@@ -330,6 +335,7 @@ class Row:
             f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
             f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
             f" | cached {self.cached_share:.0%}"
+            + ("" if self.index_within_5pct is None else f" | index within 5%: {self.index_within_5pct:.0%}")
         )
 
 
@@ -390,18 +396,25 @@ RAG_SYSTEMS = {
 DEFAULT_KV_CACHE_BYTES = 256 << 20  # pdserve's CPU default, per engine in every system
 
 
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    url: str  # the OpenAI base URL
+    metrics_url: str | None = None  # pdserve's router metrics (its prefix-index predictions)
+
+
 @contextlib.contextmanager
-def serving(served: Served, args: argparse.Namespace) -> Iterator[str]:
-    """Start the system; its OpenAI base URL while it runs; then stop every process of it."""
+def serving(served: Served, args: argparse.Namespace) -> Iterator[Endpoint]:
+    """Start the system; where it serves while it runs; then stop every process of it."""
     started: list[_System] = []
     try:
         kv_cache_bytes = args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
         if served.smg_policy is None:
-            flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes}"
+            metrics_port = _free_port()
+            flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes} --metrics-port {metrics_port}"
             system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
             started.append(system)
             system.wait_ready(timeout_s=600)
-            yield system.urls[0]
+            yield Endpoint(system.urls[0], f"http://127.0.0.1:{metrics_port}/metrics")
             return
         cores = sorted(os.sched_getaffinity(0))[:2]
         flags = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
@@ -414,7 +427,7 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[str]:
         gateway = _System(f"SMG {served.smg_policy}", [(command, {}, f"http://127.0.0.1:{port}")])
         started.append(gateway)
         gateway.wait_ready(timeout_s=120)
-        yield gateway.urls[0]
+        yield Endpoint(gateway.urls[0])
     finally:
         for system in reversed(started):
             system.stop()
@@ -448,24 +461,47 @@ async def _warm_up(target: HTTPTarget, config: LoadConfig, model: str) -> None:
             raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
 
 
+async def _predictions(client: httpx.AsyncClient, metrics_url: str | None) -> dict[str, float]:
+    """pdserve's router: requests by how its engines' prefix indexes predicted their hits."""
+    if metrics_url is None:
+        return {}
+    text = (await client.get(metrics_url, timeout=10)).text
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "pdserve_prefix_predictions_total"
+    }
+
+
+def _within_5pct(before: dict[str, float], after: dict[str, float]) -> float | None:
+    scored = {outcome: after[outcome] - before.get(outcome, 0.0) for outcome in after}
+    total = sum(scored.values())
+    return scored.get("within 5%", 0.0) / total if total else None
+
+
 async def run_served(
-    served: Served, base_url: str, trace: RagTrace | MooncakeTrace, rates: list[float], args: argparse.Namespace
-) -> list[RunReport]:
+    served: Served, endpoint: Endpoint, trace: RagTrace | MooncakeTrace, rates: list[float], args: argparse.Namespace
+) -> list[tuple[RunReport, float | None]]:
+    """Each rate's report, and the share of its requests whose hit pdserve's index predicted
+    within 5% (None for stock systems)."""
     config = load_config(args)
     model = resolve_model(args.model)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits) as client:
-        target = HTTPTarget(client, base_url, MODEL_NAME)
+        target = HTTPTarget(client, endpoint.url, MODEL_NAME)
         await _warm_up(target, config, model)
-        reports = []
+        runs = []
         for rate in rates:
             specs, prompts = trace.requests(rate, config.num_requests)
             texts, lengths = text_prompts(prompts, model)
             specs = [dataclasses.replace(spec, prompt_tokens=n) for spec, n in zip(specs, lengths)]
             label = f"{served.label} {rate:g} req/s"
-            reports.append(await run_workload(target, specs, config, label, rate, prompts=texts))
-            print(format_row(reports[-1]), file=sys.stderr, flush=True)
-        return reports
+            before = await _predictions(client, endpoint.metrics_url)
+            report = await run_workload(target, specs, config, label, rate, prompts=texts)
+            runs.append((report, _within_5pct(before, await _predictions(client, endpoint.metrics_url))))
+            print(format_row(report), file=sys.stderr, flush=True)
+        return runs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -520,11 +556,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     args.rate = args.rate or [1.0, 2.0, 4.0]
     series: dict[str, list[RunReport]] = {}
+    rows: list[Row] = []
     for served in chosen.values():
         print(f"== {served.label}", file=sys.stderr, flush=True)
-        with serving(served, args) as base_url:
-            series[served.label] = asyncio.run(run_served(served, base_url, trace, args.rate, args))
-    rows = [Row.of(name, report) for name, reports in series.items() for report in reports]
+        with serving(served, args) as endpoint:
+            runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
+        series[served.label] = [report for report, _ in runs]
+        rows += [Row.of(served.label, report, within) for report, within in runs]
     write_json(args.out, {"trace": shape, "rows": [asdict(r) for r in rows]})
     plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
     plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))

@@ -96,6 +96,12 @@ DRAFT_TOKENS = Counter(
 PREDICTED_CACHED_TOKENS = Counter(
     "pdserve_predicted_cached_tokens_total", "Prompt tokens the picked prefill engine said it held, when asked"
 )
+PREFIX_PREDICTIONS = Counter(
+    "pdserve_prefix_predictions_total",
+    "Requests whose first prefill engine was asked what it held, by how its prefix index's answer compared "
+    "with the cached tokens the engine then reported: within 5%, over, under",
+    ["outcome"],
+)
 CACHE_QUERY_MISSES = Counter(
     "pdserve_cache_query_misses_total", "Prefix-cache questions to a prefill engine unanswered in time"
 )
@@ -115,6 +121,12 @@ ALIVE = Gauge("pdserve_actor_alive", "1 while the actor answers and takes traffi
 
 def prompt_bucket(prompt_tokens: int) -> str:
     return next((name for limit, name in PROMPT_BUCKETS if prompt_tokens < limit), f"{PROMPT_BUCKETS[-1][0]}+")
+
+
+def observe_prediction(predicted: int, cached: int) -> None:
+    """One request's predicted against actual prefix-cache hit (the issue's target: within 5%)."""
+    outcome = "within 5%" if abs(predicted - cached) <= 0.05 * cached else "over" if predicted > cached else "under"
+    PREFIX_PREDICTIONS.labels(outcome).inc()
 
 
 def observe_request(result, token_gaps: list[float]) -> None:  # noqa: ANN001 (orchestrator.GenerationResult)

@@ -215,6 +215,7 @@ class Orchestrator:
         decode_member: Member | None = None
         shadowed = self.shadow is not None and self.shadow.wants(request)
         served: list[float] = []  # the emitted tokens' logprobs, for the shadow check
+        predicted: int | None = None  # the first leg's prefix-cache hit, as its engine's index said
 
         def out(chunk: TokenChunk) -> TokenChunk:
             if not shadowed:
@@ -230,8 +231,11 @@ class Orchestrator:
             # Engines see a fresh id per leg (prefill + decode, or a migration's resume):
             # clients' ids are theirs to repeat; they are kept for display and logs only.
             leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
+            first_pass = first_leg is None
             prefill_member, prefill, plan = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
+            if first_pass and plan.route is not None:
+                predicted = plan.route.cached_tokens
             if prefill is not None and progress.cached_tokens is None:
                 progress.cached_tokens = prefill.cached_tokens
             handle = prefill.handle if prefill else None
@@ -255,6 +259,8 @@ class Orchestrator:
                     self._release_soon(handle)
                 raise
             _routed(leg.request_id, route)
+            if first_pass and prefill is None:  # decode prefills: its own answer is the prediction
+                predicted = route.cached_tokens
             decode_member = route.member
             try:
                 async for chunk in self._decode(decode_member, leg, handle, progress, first):
@@ -309,6 +315,8 @@ class Orchestrator:
             draft_tokens=progress.drafts[0],
             accepted_draft_tokens=progress.drafts[1],
         )
+        if predicted is not None:
+            metrics.observe_prediction(predicted, result.cached_tokens)
         # Only a single P/D leg is checked: a migrated or locally prefilled stream has no one
         # handoff to blame.
         if shadowed and migrations == retries == 0 and prefill is not None and decode_member is not None:

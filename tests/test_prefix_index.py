@@ -153,3 +153,15 @@ def test_engine_socket_directories_of_dead_processes_are_swept(tmp_path, monkeyp
     for sockets in (mine, again):
         sockets.remove()
     assert not os.path.exists(mine.directory)
+
+
+@pytest.mark.parametrize(
+    ("predicted", "cached", "outcome"),
+    [(0, 0, "within 5%"), (512, 512, "within 5%"), (1000, 1040, "within 5%"), (256, 0, "over"), (0, 512, "under")],
+)
+def test_each_prediction_is_scored_against_what_the_engine_reused(predicted, cached, outcome):
+    from router import metrics
+
+    before = metrics.PREFIX_PREDICTIONS.labels(outcome)._value.get()
+    metrics.observe_prediction(predicted, cached)
+    assert metrics.PREFIX_PREDICTIONS.labels(outcome)._value.get() == before + 1

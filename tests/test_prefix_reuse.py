@@ -227,6 +227,8 @@ def test_a_hybrid_prefix_without_its_checkpoint_goes_where_its_blocks_are(deploy
     checkpoint at the 2 blocks they share (its shared-prefix junction): a third prompt
     sharing them hits there, and equals the colocated engine without cache. Routed blind, the
     second would go to the other engine half the time and the third would miss."""
+    from router import metrics
+
     dep, orchestrator = deployment
     shared = cases["longer"].request("junction").prompt_token_ids[: 2 * block]
     salt = "junction"
@@ -237,6 +239,7 @@ def test_a_hybrid_prefix_without_its_checkpoint_goes_where_its_blocks_are(deploy
         return run(asyncio.wait_for(collect(orchestrator.generate(request)), 120))
 
     lesson = _lesson()
+    within = metrics.PREFIX_PREDICTIONS.labels("within 5%")._value.get()
     _, first = ending("junction-1", tuple(reversed(lesson[: block + 50])))
     holder = _member(dep, first.prefill_worker)
     hits_before, predicted = _prompt_tokens(holder).get("local_cache_hit", 0), _predicted()
@@ -247,6 +250,7 @@ def test_a_hybrid_prefix_without_its_checkpoint_goes_where_its_blocks_are(deploy
     assert third.prefill_worker == holder.name and third.cached_tokens == 2 * block
     assert _predicted() - predicted == 2 * block
     assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == 2 * block
+    assert metrics.PREFIX_PREDICTIONS.labels("within 5%")._value.get() - within == 3  # the index was right
     assert_no_blocks_held(dep)
 
 
