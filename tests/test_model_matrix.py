@@ -38,9 +38,11 @@ STEPS = 64
 TOP = 5
 TOLERANCE_NATS = 0.05
 # Across TP sizes the reductions run in another order: a few bf16 steps on logits of this
-# random model's magnitude (~15, so ~0.06 nats a step). Another prompt's state still lands
-# far outside (disjoint top-5 lists).
-TP_TOLERANCE_NATS = 0.15
+# random model's magnitude (~15, so ~0.06 nats a step). On the MoE hybrid that order also
+# flips expert choices at near-ties: colocated TP 2 and TP 1 engines differ by 1.2 nats on
+# the prompt below, while P/D TP 2 -> 2 equals colocated TP 2 exactly. Another prompt's state
+# still lands far outside (disjoint top-5 lists).
+TP_TOLERANCE_NATS = {"default": 0.15, "qwen3_5_moe": 0.5}
 # A resumed stream prefills its streamed tokens in one chunk where decode stepped them one at a
 # time: a recurrent layer's chunked and step kernels round differently in bf16, a few steps on
 # these logits (0.10 nats measured on the MoE hybrid, 0 without recurrent layers).
@@ -174,13 +176,15 @@ def test_a_stream_migrated_part_way_resumes_equal_to_colocated(served):
     assert_no_blocks_held(dep, timeout_s=10)
 
 
-def test_tp2_prefill_hands_off_to_tp1_decode_on_the_mamba2_hybrid(ray_cluster):
-    """TP 2 -> 1: each prefill rank holds half the Mamba-2 heads and groups and half the KV
-    heads, and decode's one rank reads both halves into its whole state. (The dense GDN
-    hybrid's TP pairings are in tests/test_tensor_parallel.py.)"""
+# Qwen3's attention splits as the embedded hybrid's does (tests/test_tensor_parallel.py): left
+# out for the suite's time (docs/benchmarks.md has its figure).
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h", "gemma3"])
+def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, name):
+    """TP 2 -> 1: each prefill rank holds half the KV heads (and half the Mamba-2 heads and
+    groups, or the GDN heads), and decode's one rank reads both halves into its whole state.
+    (The dense GDN hybrid's TP pairings are in tests/test_tensor_parallel.py.)"""
     from vllm_engine.config import EngineSizing
 
-    name = "nemotron_h"
     path = str(ensure_tiny_model(name))
     engine = EngineConfig(model=path, enable_prefix_caching=name not in NO_PREFIX_CACHING)
     dep = Deployment(DeploymentConfig(engine=engine, prefill_sizing=EngineSizing(tensor_parallel_size=2)))
@@ -196,11 +200,16 @@ def test_tp2_prefill_hands_off_to_tp1_decode_on_the_mamba2_hybrid(ray_cluster):
         checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
         gap = _largest_gap(colocated, pd)
-        print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps")
-        assert gap <= TP_TOLERANCE_NATS
+        other = prompt_of(41, 3, PROMPT_TOKENS)
+        _, wrong = run(_colocated(decode, _request("control", other, tuple(continuation), "colocated")))
+        control = _largest_gap(colocated, wrong)
+        print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
+        tolerance = TP_TOLERANCE_NATS.get(name, TP_TOLERANCE_NATS["default"])
+        assert gap <= tolerance and control > 10 * tolerance
         plan = plan_for(dep.config.role_engine("prefill"), ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
         moved = result.timings.transfer_bytes
-        assert (moved.attention_kv, moved.deltanet_state) == (plan.bytes_moved_attention, plan.bytes_moved_state)
+        assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
+        assert moved.deltanet_state == plan.bytes_moved_state
         assert_no_blocks_held(dep, timeout_s=10)
     finally:
         dep.shutdown()
