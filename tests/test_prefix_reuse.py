@@ -21,7 +21,16 @@ import pytest
 import ray
 from conftest import assert_no_blocks_held, run
 from prometheus_client.parser import text_string_to_metric_families
-from reference import MAX_TOKENS, MIN_COMPARED, NEAR_TIE_NATS, Reference, assert_matches, collect, reference_run
+from reference import (
+    MAX_TOKENS,
+    MIN_COMPARED,
+    NEAR_TIE_NATS,
+    Reference,
+    assert_matches,
+    collect,
+    prompt_of,
+    reference_run,
+)
 
 from kv_transfer.connector_config import TransferConfig
 from messages.requests import GenerateRequest, SamplingConfig
@@ -29,6 +38,7 @@ from messages.requests import GenerateRequest, SamplingConfig
 TURNS = 4
 QUESTION = 60  # tokens a conversation's user adds per turn
 SCAN_TOKENS = 2150  # of the lesson, read to find where its continuations are decisive
+PREFILL_CACHE_BYTES = 10 << 20  # a little over the blocks of one 8,192-token request
 
 
 @functools.cache
@@ -143,8 +153,14 @@ def uncached(colocated, cases) -> dict[str, Reference]:
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, engine_config, uncached):
     from controller.deployment import Deployment, DeploymentConfig
+    from vllm_engine.config import EngineSizing
 
-    config = DeploymentConfig(engine=engine_config, transfer=TransferConfig(lease_s=30), num_prefill=2, num_decode=2)
+    # Prefill caches of PREFILL_CACHE_BYTES: a few prompts evict a document (the last test).
+    prefill = EngineSizing(kv_cache_bytes=PREFILL_CACHE_BYTES)
+    transfer = TransferConfig(lease_s=30)
+    config = DeploymentConfig(
+        engine=engine_config, transfer=transfer, num_prefill=2, num_decode=2, prefill_sizing=prefill
+    )
     dep = Deployment(config)
     orchestrator = run(dep.start())
     yield dep, orchestrator
@@ -341,4 +357,60 @@ def test_a_salted_prompt_shares_no_blocks_with_other_salts(deployment, uncached,
     assert_matches(tokens, uncached["longer"])
     assert again.prefill_worker == first.prefill_worker and again.cached_tokens == 2 * block
     assert _predicted() - predicted == 2 * block
+    assert_no_blocks_held(dep)
+
+
+async def _index_forgot(member, request: GenerateRequest, timeout_s: float = 5.0) -> bool:
+    """The engine's index holds none of the prompt (its eviction events applied)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        hit = await member.actor.cached_prefix.remote(list(request.prompt_token_ids), False, request.cache_salt)
+        if hit.attention_tokens == 0 or asyncio.get_running_loop().time() > deadline:
+            return hit.attention_tokens == 0
+        await asyncio.sleep(0.05)
+
+
+def test_a_hit_evicted_between_routing_and_scheduling_is_computed_whole(deployment, uncached, cases, block):
+    """The race a small cache under load runs: the router is told an engine holds the
+    document, picks it, and before that engine schedules the prompt other prompts evict the
+    document's blocks (here run at that point, through the router's question). vLLM then
+    computes the whole prompt: the handoff and the tokens are right, the index drops the
+    evicted blocks, and the prediction is scored over."""
+    from router import metrics
+
+    dep, orchestrator = deployment
+    salt = "evicted"
+    _, first = _generate(orchestrator, "evict-document", cases["document"], cache_salt=salt)
+    holder = _member(dep, first.prefill_worker)
+    release = dep.decode.members[0].actor.release_transfer
+    filler_tokens = 6 * block
+    fillers = dep.capacities[holder.name].kv_blocks // (filler_tokens // block) + 2
+
+    async def evict() -> None:
+        """Prompts that share nothing until the holder's cache has cycled through every block."""
+        for i in range(fillers):
+            filler = GenerateRequest(f"filler-{i}", prompt_of(7 + i, i, filler_tokens), SamplingConfig(max_tokens=1))
+            result = await holder.actor.prefill.remote(dataclasses.replace(filler, cache_salt=f"filler-{i}"))
+            await release.remote(result.handle)
+
+    asked, evicted = orchestrator.cached_prefixes, []
+
+    async def asked_then_evicted(pool, request, *args, **kwargs):  # noqa: ANN001, ANN202
+        answers = await asked(pool, request, *args, **kwargs)
+        if pool is dep.prefill and request.cache_salt == salt:
+            assert answers[holder.name].tokens == 2 * block  # what the router is told
+            await evict()
+            evicted.append(await _index_forgot(holder, request))
+        return answers
+
+    over = metrics.PREFIX_PREDICTIONS.labels("over")._value.get()
+    orchestrator.cached_prefixes = asked_then_evicted
+    try:
+        tokens, result = _generate(orchestrator, "evict-longer", cases["longer"], cache_salt=salt)
+    finally:
+        del orchestrator.cached_prefixes
+    assert_matches(tokens, uncached["longer"])
+    assert result.prefill_worker == holder.name and result.cached_tokens == 0
+    assert metrics.PREFIX_PREDICTIONS.labels("over")._value.get() == over + 1
+    assert evicted == [True], "the holder's index still held the document after the fillers"
     assert_no_blocks_held(dep)
