@@ -263,8 +263,8 @@ def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster, draft
         # draft is mostly right (a second, drafted from a draft, less often).
         assert accepted >= 0.8 * proposed / drafts > 0
         # P/D's decode engine cannot verify a draft in its first step (prefill's is not handed
-        # over), and the first it verifies is rejected here (the target's logprobs above are
-        # not off: the draft's path is): at most one step's drafts fewer accepted (measured).
+        # over), and later on accepts one fewer than colocated here (the target's logprobs
+        # above are not off; the drafts' cause is not found): at most one step's drafts fewer.
         assert result.accepted_draft_tokens >= accepted - drafts
         checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
