@@ -241,21 +241,24 @@ def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster, draft
         # prompt's continuation is decisive, and the target's logprobs are compared too.
         sampling = SamplingConfig(max_tokens=STEPS, ignore_eos=True, logprobs=TOP)
 
-        async def colocated() -> tuple[list[int], list[dict[int, float]], tuple[int, int]]:
+        async def colocated(request: GenerateRequest) -> tuple[list[int], list[dict[int, float]], tuple[int, int]]:
             tokens, steps, drafts = [], [], ()
-            async for ref in decode.generate.remote(GenerateRequest("mtp-colocated", prompt, sampling)):
+            async for ref in decode.generate.remote(request):
                 chunk = await ref
                 tokens.extend(chunk.token_ids)
                 steps.extend(dict(top) for top in chunk.logprobs)
                 drafts = chunk.drafts or drafts
             return tokens, steps, drafts
 
-        reference, reference_steps, (proposed, accepted) = run(colocated())
+        request = GenerateRequest("mtp-colocated", prompt, sampling)
+        reference, reference_steps, (proposed, accepted) = run(colocated(request))
+        # What decode is given: the prompt and prefill's token, as one prompt.
+        _, _, (_, accepted_as_decode) = run(colocated(request.continued(tuple(reference[:1]))))
         checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         tokens, steps, result = run(_through_pd(orchestrator, GenerateRequest("mtp-pd", prompt, sampling)))
         gap = _largest_gap(reference_steps, steps)
         print(
-            f"MTP drafts accepted: colocated {accepted}/{proposed}, "
+            f"MTP drafts accepted: colocated {accepted}/{proposed} ({accepted_as_decode} given prefill's token), "
             f"P/D {result.accepted_draft_tokens}/{result.draft_tokens}; largest logprob gap {gap:.4f} nats"
         )
         assert tokens == reference and gap <= TOLERANCE_NATS
@@ -263,9 +266,11 @@ def test_mtp_speculative_decoding_through_pd_equals_colocated(ray_cluster, draft
         # draft is mostly right (a second, drafted from a draft, less often).
         assert accepted >= 0.8 * proposed / drafts > 0
         # P/D's decode engine cannot verify a draft in its first step (prefill's is not handed
-        # over), and later on accepts one fewer than colocated here (the target's logprobs
-        # above are not off; the drafts' cause is not found): at most one step's drafts fewer.
-        assert result.accepted_draft_tokens >= accepted - drafts
+        # over). After that it drafts as a colocated engine does when given the prompt and
+        # prefill's token as one prompt: the drafter's own KV for the prompt is then built in
+        # one pass, and its drafts differ slightly from an unbroken run's (measured: one fewer
+        # accepted, with or without a handoff). Against that engine, acceptance is equal.
+        assert result.accepted_draft_tokens == accepted_as_decode >= accepted - drafts
         checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
         assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
         # The draft layer's KV moved with the model's, and the conv state holds the draft's
