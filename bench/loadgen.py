@@ -361,12 +361,19 @@ async def check_fits(
 
 
 async def warm_up(
-    channel: grpc.aio.Channel | HTTPTarget, config: LoadConfig, metadata: tuple[tuple[str, str], ...] = ()
+    channel: grpc.aio.Channel | HTTPTarget,
+    config: LoadConfig,
+    metadata: tuple[tuple[str, str], ...] = (),
+    requests: Sequence[tuple[RequestSpec, list[int] | str]] | None = None,
 ) -> None:
-    """Serial unmeasured requests of the profile's shape; a server that fails them stops the run."""
+    """Serial unmeasured requests, of the profile's shape or `requests` (specs with their
+    prompts, as `run_workload` takes them); a server that fails them stops the run."""
     quiet = replace(config, seed=-1 - config.seed, progress=False)  # a seed no measured run uses
-    for spec in synthetic_workload(1.0, config.warmup, config.profile, quiet.seed):
-        report = await run_workload(channel, [replace(spec, arrival_s=0.0)], quiet, "warm-up", None, metadata)
+    if requests is None:
+        specs = synthetic_workload(1.0, config.warmup, config.profile, quiet.seed)
+        requests = [(spec, prompt_ids(spec, quiet.seed)) for spec in specs]
+    for spec, prompt in requests:
+        report = await run_workload(channel, [replace(spec, arrival_s=0.0)], quiet, "warm-up", None, metadata, [prompt])
         if not report.summary.completed:
             raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
 

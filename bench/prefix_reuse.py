@@ -273,13 +273,8 @@ async def _nixl_bytes(stack: LocalStack) -> float:
     async with httpx.AsyncClient() as client:
         for member in stack.deployment.decode.members:
             address = await member.actor.metrics_address.remote()
-            text = (await client.get(f"http://{address}/metrics", timeout=10)).text
-            total += sum(
-                sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples
-                if sample.name == "pdserve_nixl_transfer_bytes_sum"
-            )
+            samples = await _samples(client, f"http://{address}/metrics", "pdserve_nixl_transfer_bytes_sum")
+            total += sum(sample.value for sample in samples)
     return total
 
 
@@ -449,29 +444,25 @@ def text_prompts(prompts: list[list[int]], model: str) -> tuple[list[str], list[
 
 
 async def _warm_up(target: HTTPTarget, config: LoadConfig, model: str) -> None:
-    """Serial unmeasured requests, text as the measured ones (SMG takes no token ids), from
+    """Warm-up requests as text, like the measured ones (SMG takes no token ids), from
     documents no measured request shares."""
     specs, prompts = RagTrace(seed=config.seed + 10_000).requests(1.0, config.warmup)
     texts, _ = text_prompts(prompts, model)
-    quiet = dataclasses.replace(config, progress=False)
-    for spec, text in zip(specs, texts):
-        alone = [dataclasses.replace(spec, arrival_s=0.0)]
-        report = await run_workload(target, alone, quiet, "warm-up", None, prompts=[text])
-        if not report.summary.completed:
-            raise RuntimeError(f"warm-up request failed: {report.requests[0].error or 'short output'}")
+    await warm_up(target, config, requests=list(zip(specs, texts)))
+
+
+async def _samples(client: httpx.AsyncClient, metrics_url: str, name: str) -> list[Any]:
+    """The current samples of metric `name` at a Prometheus endpoint."""
+    text = (await client.get(metrics_url, timeout=10)).text
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
 
 
 async def _predictions(client: httpx.AsyncClient, metrics_url: str | None) -> dict[str, float]:
     """pdserve's router: requests by how its engines' prefix indexes predicted their hits."""
     if metrics_url is None:
         return {}
-    text = (await client.get(metrics_url, timeout=10)).text
-    return {
-        sample.labels["outcome"]: sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "pdserve_prefix_predictions_total"
-    }
+    samples = await _samples(client, metrics_url, "pdserve_prefix_predictions_total")
+    return {sample.labels["outcome"]: sample.value for sample in samples}
 
 
 def _within_5pct(before: dict[str, float], after: dict[str, float]) -> float | None:
