@@ -68,8 +68,8 @@ class RouterPolicy:
     local_prefill_below: int = knob(3, help="prompts shorter than this prefill on the decode engine (no transfer)")
     # Conditional disaggregation (Dynamo's max_local_prefill_length, made per request from the
     # decode engine's own prefix cache): a few missing tokens cost less to compute there than a
-    # handoff. A hybrid's decode engine keeps no state checkpoint while decoding, so it hits
-    # only on prompts it prefilled itself.
+    # handoff. A hybrid's decode engine hits where it kept a state checkpoint: the prompts it
+    # prefilled itself, and the block ends it decoded past (--state-checkpoint-tokens).
     local_prefill_uncached: int | None = knob(
         None,
         help="prefill on the decode engine when it lacks at most this many of the prompt's tokens (its prefix "

@@ -6,8 +6,9 @@ the router sent each prompt (the prefill engine that said it holds the prefix).
 
 Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
 DeltaNet state is bf16): a prompt a hybrid engine prefills reuses a prefix up to the last block
-end where a state checkpoint was kept, which vLLM does where a prompt's last whole block ends;
-a decode leg, which pulls the final state, needs the attention blocks alone."""
+end where a state checkpoint was kept, which vLLM does where a prompt's last whole block ends,
+every CHECKPOINT_BLOCKS blocks of a prompt (--state-checkpoint-tokens) and at every block end
+decoded past; a decode leg, which pulls the final state, needs the attention blocks alone."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ TURNS = 4
 QUESTION = 60  # tokens a conversation's user adds per turn
 SCAN_TOKENS = 2150  # of the lesson, read to find where its continuations are decisive
 PREFILL_CACHE_BYTES = 10 << 20  # a little over the blocks of one 8,192-token request
+CHECKPOINT_BLOCKS = 4  # past the cases' shared prefixes, so those end where no checkpoint is
 
 
 @functools.cache
@@ -112,13 +114,15 @@ def cases(colocated, block) -> dict[str, Case]:
     def document(offset: int) -> dict[str, int] | None:
         """Prefill keeps a state checkpoint at 2 blocks of the document (2 blocks + 40); the
         others share it: the document and more, a prefix ending inside its third block, and
-        one token past the second (the hit leaves one token to compute)."""
+        one token past the second (the hit leaves one token to compute); and past the first
+        checkpoint mark (CHECKPOINT_BLOCKS blocks) of a longer prompt there."""
         one_past = 2 * block + 1
         inside = first(offset, range(2 * block + 5, 2 * block + 40))
         longer = first(offset, range(2 * block + 41, 2 * block + 200))
-        if not decisive(offset + one_past) or inside is None or longer is None:
+        marked = first(offset, range(CHECKPOINT_BLOCKS * block + 41, (CHECKPOINT_BLOCKS + 1) * block))
+        if not decisive(offset + one_past) or None in (inside, longer, marked):
             return None
-        return {"document": 2 * block + 40, "one_past": one_past, "inside": inside, "longer": longer}
+        return {"document": 2 * block + 40, "one_past": one_past, "inside": inside, "longer": longer, "marked": marked}
 
     def conversation(offset: int) -> dict[str, int] | None:
         """Each turn's prompt is the last one, its 80-token answer and a 20-120-token question;
@@ -151,16 +155,15 @@ def uncached(colocated, cases) -> dict[str, Reference]:
 
 
 @pytest.fixture(scope="module")
-def deployment(ray_cluster, engine_config, uncached):
+def deployment(ray_cluster, engine_config, uncached, block):
     from controller.deployment import Deployment, DeploymentConfig
     from vllm_engine.config import EngineSizing
 
     # Prefill caches of PREFILL_CACHE_BYTES: a few prompts evict a document (the last test).
     prefill = EngineSizing(kv_cache_bytes=PREFILL_CACHE_BYTES)
     transfer = TransferConfig(lease_s=30)
-    config = DeploymentConfig(
-        engine=engine_config, transfer=transfer, num_prefill=2, num_decode=2, prefill_sizing=prefill
-    )
+    engine = dataclasses.replace(engine_config, state_checkpoint_tokens=CHECKPOINT_BLOCKS * block)
+    config = DeploymentConfig(engine=engine, transfer=transfer, num_prefill=2, num_decode=2, prefill_sizing=prefill)
     dep = Deployment(config)
     orchestrator = run(dep.start())
     yield dep, orchestrator
@@ -270,6 +273,24 @@ def test_a_hybrid_prefix_without_its_checkpoint_goes_where_its_blocks_are(deploy
     assert_no_blocks_held(dep)
 
 
+def test_a_prompt_sharing_a_checkpoint_mark_hits_on_its_first_repeat(deployment, uncached, cases, block):
+    """Prefill's steps end every CHECKPOINT_BLOCKS blocks, each end's state kept: a prompt
+    sharing a longer one's first CHECKPOINT_BLOCKS blocks, and not its last whole block,
+    hits them at once, where vLLM's default (a checkpoint at the last whole block only) misses
+    until a third prompt. It equals the colocated engine without cache."""
+    dep, orchestrator = deployment
+    marked, salt = cases["marked"], "marked"
+    longer = Case(marked.offset, (CHECKPOINT_BLOCKS + 1) * block + 50)
+    _, first = _generate(orchestrator, "marked-longer", longer, cache_salt=salt)
+    holder = _member(dep, first.prefill_worker)
+    predicted = _predicted()
+    tokens, second = _generate(orchestrator, "marked", marked, cache_salt=salt)
+    assert_matches(tokens, uncached["marked"])
+    assert second.prefill_worker == holder.name and second.cached_tokens == CHECKPOINT_BLOCKS * block
+    assert _predicted() - predicted == CHECKPOINT_BLOCKS * block
+    assert_no_blocks_held(dep)
+
+
 @pytest.mark.parametrize("name", ["inside", "one_past"])
 def test_a_shorter_prompt_reuses_the_whole_blocks_it_shares(deployment, uncached, cases, block, name):
     """A prefix of the cached document that ends inside its third block, or one token past
@@ -318,7 +339,7 @@ def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, case
 def test_a_decode_engine_holding_the_prefix_prefills_the_rest_itself(deployment, uncached, cases, block):
     """Conditional disaggregation, local_prefill_uncached the document's length: the document
     is short enough to prefill on a decode engine (which keeps a state checkpoint at its last
-    whole block, as prefill does; decoding keeps none), and the longer prompt sharing it then
+    whole block, as prefill does), and the longer prompt sharing it then
     lacks less than that there: it is prefilled by that engine from its 2 cached blocks, with
     no prefill leg and nothing moved, and equals the colocated engine without cache. Salted:
     it starts cold whichever test ran first."""
@@ -340,6 +361,31 @@ def test_a_decode_engine_holding_the_prefix_prefills_the_rest_itself(deployment,
     assert result.prefill_worker == "" and result.decode_worker == holder.name
     assert result.cached_tokens == 2 * block
     assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == 2 * block
+    assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
+    assert_no_blocks_held(dep)
+
+
+def test_a_next_turn_resumes_where_its_decode_engine_decoded_past_a_block(deployment, uncached, cases, block):
+    """Conditional disaggregation in a conversation: turn 1 (under a block) is prefilled on a
+    decode engine, whose answer crosses the first block end, where decoding keeps a state
+    checkpoint; turn 2 then lacks at most local_prefill_uncached there, so that engine
+    computes only past that block, with no prefill leg and nothing moved, and equals the
+    colocated engine without cache. Salted: it starts cold whichever test ran first."""
+    from router.orchestrator import Orchestrator, RouterPolicy
+
+    dep, _ = deployment
+    turn1, turn2, salt = cases["turn1"], cases["turn2"], "decoded-past"
+    policy = RouterPolicy(local_prefill_uncached=max(turn1.length, turn2.length - block))
+    orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, policy)
+    _, first = _generate(orchestrator, "decoded-turn1", turn1, cache_salt=salt)
+    assert first.prefill_worker == "" and turn1.length < block < turn1.length + MAX_TOKENS
+    holder = _member(dep, first.decode_worker)
+    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
+    tokens, second = _generate(orchestrator, "decoded-turn2", turn2, cache_salt=salt)
+    assert_matches(tokens, uncached["turn2"])
+    assert second.prefill_worker == "" and second.decode_worker == holder.name
+    assert second.cached_tokens == block
+    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == block
     assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
     assert_no_blocks_held(dep)
 

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from vllm_engine.plan_cli import main
-from vllm_engine.sizing import GiB, KiB, MiB, ModelShape, SizingError, SizingInputs, plan_engine
+from vllm_engine.config import EngineConfig
+from vllm_engine.sizing import GiB, KiB, MiB, ModelShape, SizingError, SizingInputs, checkpoint_interval, plan_engine
 
 # Qwen3.5-27B's language model, from its public config.json.
 QWEN35_27B = {
@@ -77,6 +78,23 @@ def test_embedded_model_matches_the_engine(model_path, ssm_dtype, state_bytes, b
     assert plan.block_size == block_size
     assert (plan.bytes_moved_attention, plan.bytes_moved_state) == (attention_bytes, state_bytes)
     plan.check()
+
+
+def test_state_checkpoints_land_on_whole_blocks(model_path):
+    """A hybrid keeps a recurrent-state checkpoint every N tokens, N rounded to the block size
+    vLLM gives it (its retention interval must be a multiple); plain models and caching off
+    keep vLLM's default (0). tests/test_prefix_reuse.py checks a real engine keeps them."""
+    qwen = ModelShape.from_config(QWEN35_27B)
+    gpu = EngineConfig(device="cuda", tensor_parallel_size=4)
+    assert checkpoint_interval(gpu, qwen) == 3 * 784, "2,048 tokens: 2.6 blocks of 784"
+    assert qwen_27b(tensor_parallel_size=4).checkpoint_interval == 3 * 784
+    assert checkpoint_interval(dataclasses.replace(gpu, state_checkpoint_tokens=100), qwen) == 784, "one block at least"
+    assert checkpoint_interval(dataclasses.replace(gpu, state_checkpoint_tokens=0), qwen) == 0
+    assert checkpoint_interval(dataclasses.replace(gpu, enable_prefix_caching=False), qwen) == 0
+    assert checkpoint_interval(gpu, published("gpt-oss-120b.json")) == 0, "no recurrent state"
+    embedded = ModelShape.from_model_dir(model_path)
+    assert checkpoint_interval(EngineConfig(), embedded) == 512, "2 blocks of 256 tokens, or 4 of 128 (bf16 state)"
+    assert checkpoint_interval(EngineConfig(state_checkpoint_tokens=700), embedded) in (3 * 256, 5 * 128)
 
 
 def test_the_state_dtype_follows_vllms_platform_rule(monkeypatch):

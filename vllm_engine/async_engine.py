@@ -18,7 +18,7 @@ from messages.errors import EngineDeadError
 from messages.reports import EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
-from vllm_engine.engine import EngineWiring, model_limits, prepare_process
+from vllm_engine.engine import EngineWiring, engine_args, model_limits, prepare_process
 from vllm_engine.sampling import as_invalid_request
 
 if TYPE_CHECKING:
@@ -67,7 +67,7 @@ class AsyncEngine:
         prepare_process(config, wiring.env)
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = config.engine_args(wiring.kv_transfer_config, wiring.kv_events_config)
+        args = engine_args(config, wiring)
         stats = _LatestSchedulerStats()
         llm = AsyncLLM.from_vllm_config(args.create_engine_config(), stat_loggers=[stats, *wiring.stat_loggers])
         return cls(llm, stats, wiring.on_fatal)

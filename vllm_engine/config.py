@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = "embedded"
 # vLLM's CPU default tries to reserve ~92% of RAM: CPU engines always get an explicit size.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
+# Tokens between a hybrid's kept recurrent-state checkpoints when unset. CPU: measured on the
+# embedded model (docs/benchmarks.md): a second prompt sharing a 1,536-token document hits
+# it, and 512-token prefill steps cost no TTFT there (256-token ones ~10%). GPU: vLLM's usual
+# step budget on smaller GPUs, not measured here.
+DEFAULT_CHECKPOINT_TOKENS: dict[str, int] = {"cpu": 512, "cuda": 2048}
 # Every engine loads it: requests that force their tokens (equivalence checks) need it.
 TEACHER_FORCING = "vllm_engine.teacher_forcing:TeacherForcing"
 
@@ -83,6 +88,17 @@ class EngineConfig:
     # Hybrids: vLLM then keeps recurrent-state checkpoints at block boundaries
     # (mamba_cache_mode "align"), so a prefix is reusable up to its last whole block.
     enable_prefix_caching: bool = knob(True, help="vLLM's automatic prefix caching, in both pools")
+    # vLLM 0.32 (align mode) writes a hybrid's state only where a step ends on a block end, and
+    # by default keeps only the one at a prompt's last whole block: a prompt sharing just a RAG
+    # document with an earlier one then reuses nothing, nor does a conversation's next turn
+    # on the engine that decoded the last. Shorter prefill steps, with every state written
+    # kept (prefix_cache_retention_interval None), make both reusable.
+    state_checkpoint_tokens: int | None = knob(
+        None,
+        help="hybrids with prefix caching: prefill keeps a recurrent-state checkpoint every this many prompt "
+        "tokens, rounded to whole blocks (its steps are capped to it), decoding one at every block end; "
+        "unset: 512 on CPU, 2048 on GPU; 0: only at each prompt's last whole block (vLLM's default)",
+    )
     engine_path: EnginePath = knob(
         "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"
     )
@@ -123,6 +139,8 @@ class EngineConfig:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoint_tokens is not None and self.state_checkpoint_tokens < 0:
+            raise ValueError(f"state_checkpoint_tokens must be >= 0 (0: off), got {self.state_checkpoint_tokens}")
 
     @property
     def path(self) -> Literal["inprocess", "async"]:
@@ -175,8 +193,14 @@ class EngineConfig:
         }
 
     def engine_args(
-        self, kv_transfer_config: Any = None, kv_events_config: Any = None, **overrides: Any
+        self,
+        kv_transfer_config: Any = None,
+        kv_events_config: Any = None,
+        checkpoint_interval: int = 0,
+        **overrides: Any,
     ) -> "EngineArgs":
+        """vLLM's arguments; `checkpoint_interval`: prompt tokens between the recurrent-state
+        checkpoints prefill keeps, whole blocks (sizing.checkpoint_interval); 0: vLLM's default."""
         from vllm.engine.arg_utils import EngineArgs
 
         model = resolve_model(self.model)
@@ -193,7 +217,8 @@ class EngineConfig:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_batched_tokens=min(self.max_num_batched_tokens, checkpoint_interval or self.max_num_batched_tokens),
+            prefix_cache_retention_interval=None if checkpoint_interval else 0,
             enforce_eager=(not gpu) if self.enforce_eager is None else self.enforce_eager,
             enable_prefix_caching=self.enable_prefix_caching,
             seed=self.seed,

@@ -18,10 +18,12 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Mapping, Protoco
 
 from messages.reports import EngineLoad
 from messages.requests import ModelLimits
-from vllm_engine.config import EngineConfig
+from vllm_engine.config import EngineConfig, resolve_model
+from vllm_engine.sizing import ModelShape, checkpoint_interval
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
     from vllm.outputs import RequestOutput
 
     from kv_transfer.layout import StateLayout
@@ -80,6 +82,13 @@ def start_engine(config: EngineConfig, wiring: EngineWiring = EngineWiring()) ->
     from vllm_engine.loop import EngineLoop
 
     return EngineLoop.start(config, wiring)
+
+
+def engine_args(config: EngineConfig, wiring: EngineWiring) -> "EngineArgs":
+    """vLLM's arguments for this engine, its state checkpoints placed on the block size the
+    model gets (vllm_engine.sizing)."""
+    shape = ModelShape.from_model_dir(resolve_model(config.model))
+    return config.engine_args(wiring.kv_transfer_config, wiring.kv_events_config, checkpoint_interval(config, shape))
 
 
 def exit_for_restart(exc: BaseException) -> None:

@@ -22,7 +22,7 @@ from messages.reports import EngineLoad
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig, cores_of
 from vllm_engine.cpu_affinity import confine_python_threads, parse_cores
-from vllm_engine.engine import EngineWiring, model_limits, prepare_process
+from vllm_engine.engine import EngineWiring, engine_args, model_limits, prepare_process
 from vllm_engine.metrics import ENGINE_STEP_CPU
 from vllm_engine.sampling import as_invalid_request
 
@@ -98,7 +98,7 @@ class EngineLoop:
         from vllm.v1.engine.llm_engine import LLMEngine
 
         engine = LLMEngine.from_engine_args(
-            config.engine_args(wiring.kv_transfer_config, wiring.kv_events_config),
+            engine_args(config, wiring),
             stat_loggers=list(wiring.stat_loggers),
         )
         if config.cpu_cores is not None and config.device == "cpu":

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from configuration.fields import default_of
-from vllm_engine.config import EngineConfig
+from vllm_engine.config import DEFAULT_CHECKPOINT_TOKENS, EngineConfig
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -340,6 +340,7 @@ class SizingInputs:
     # "mtp": the model's MTP layers run as the draft, their KV cached (and moved) beside the model's.
     speculative_method: str | None = default_of(EngineConfig, "speculative_method")
     num_speculative_tokens: int = default_of(EngineConfig, "num_speculative_tokens")
+    state_checkpoint_tokens: int | None = default_of(EngineConfig, "state_checkpoint_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -367,6 +368,9 @@ class EnginePlan:
     kv_cache_bytes_per_rank: int
     num_blocks: int  # per rank, including vLLM's null block
     draft_layers: int = 0  # of the full-attention layers: the MTP draft's
+    # Tokens between the recurrent-state checkpoints the engine keeps (0: vLLM's default, one at
+    # each prompt's last whole block): `checkpoint_interval`.
+    checkpoint_interval: int = 0
 
     def blocks_for(self, tokens: int) -> int:
         return (
@@ -462,64 +466,33 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         )
     draft_layers = _draft_layers(shape, inputs)
     tp = inputs.tensor_parallel_size
-    _check_tp(shape, tp)
-    ssm_name = inputs.mamba_ssm_dtype or ssm_state_dtype(
-        inputs.device, inputs.dtype, shape.ssm_cache_dtype, shape.is_mamba2
-    )
-    dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(ssm_name)
-
-    # Fewer KV heads than ranks: each rank keeps one replicated head (ModelConfig.get_num_kv_heads).
-    kv_heads_per_rank = max(1, shape.num_key_value_heads // tp)
-    attn_token_layer = 2 * kv_heads_per_rank * shape.head_dim * dtype  # K and V, one layer, one token
-    if shape.is_mamba2:  # MambaStateShapeCalculator.mamba2_state_shape
-        state_heads, head_state = shape.mamba_num_heads, shape.mamba_head_dim * shape.mamba_state_size * ssm_dtype
-        kernel, conv_dim, conv_dim_per_rank = (
-            shape.mamba_conv_kernel,
-            shape.mamba_conv_dim(),
-            shape.mamba_conv_dim(tp) // tp,
-        )
-    else:  # gated_delta_net_state_shape: one value head's matrix per head
-        state_heads, head_state = (
-            shape.linear_num_value_heads,
-            shape.linear_key_head_dim * shape.linear_value_head_dim * ssm_dtype,
-        )
-        kernel, conv_dim = shape.linear_conv_kernel_dim, shape.linear_conv_dim
-        conv_dim_per_rank = conv_dim // tp
-    temporal_layer = state_heads // tp * head_state
-    # Under speculative decoding vLLM keeps a draft's worth more conv positions (for rollback).
-    conv_positions = kernel - 1 + (inputs.num_speculative_tokens if inputs.speculative_method else 0)
-    conv_layer = conv_positions * conv_dim_per_rank * dtype
-    state_layer = temporal_layer + conv_layer
+    layer = _LayerBytes.of(shape, inputs)
     n_full, n_sliding, n_linear = (
         shape.num_full_layers + draft_layers,
         shape.num_sliding_layers,
         shape.num_linear_layers,
     )
+    block_size = _engine_block_size(shape, inputs, layer)
 
-    block_size = (
-        _block_size(inputs, state_layer, attn_token_layer)
-        if shape.is_hybrid
-        else (inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device])
-    )
     # vLLM pads the state page up to the attention page, so every layer's page is the same.
     layers_per_group = _layers_per_group([n for n in (n_full, n_sliding, n_linear) if n])
-    page_bytes = layers_per_group * block_size * attn_token_layer
+    page_bytes = layers_per_group * block_size * layer.attention_token
 
-    weights = shape.param_count() * dtype
+    weights = shape.param_count() * layer.dtype
     kv_cache = _kv_cache_bytes(inputs, weights // tp)
     return EnginePlan(
         shape=shape,
         inputs=inputs,
         weights_bytes=weights,
         weights_bytes_per_rank=weights // tp,
-        kv_bytes_per_token=n_full * 2 * shape.num_key_value_heads * shape.head_dim * dtype,
-        kv_bytes_per_token_per_rank=n_full * attn_token_layer,
-        kv_bytes_per_token_layer_per_rank=attn_token_layer,
-        ssm_dtype=ssm_name,
-        temporal_bytes_per_request=n_linear * state_heads * head_state,
-        temporal_bytes_per_request_per_rank=n_linear * temporal_layer,
-        conv_bytes_per_request=n_linear * conv_positions * conv_dim * dtype,
-        conv_bytes_per_request_per_rank=n_linear * conv_layer,
+        kv_bytes_per_token=n_full * 2 * shape.num_key_value_heads * shape.head_dim * layer.dtype,
+        kv_bytes_per_token_per_rank=n_full * layer.attention_token,
+        kv_bytes_per_token_layer_per_rank=layer.attention_token,
+        ssm_dtype=layer.ssm_dtype,
+        temporal_bytes_per_request=n_linear * layer.temporal,
+        temporal_bytes_per_request_per_rank=n_linear * layer.temporal_per_rank,
+        conv_bytes_per_request=n_linear * layer.conv,
+        conv_bytes_per_request_per_rank=n_linear * layer.conv_per_rank,
         block_size=block_size,
         layers_per_group=layers_per_group,
         num_linear_groups=math.ceil(n_linear / layers_per_group),
@@ -529,7 +502,80 @@ def plan_engine(shape: ModelShape, inputs: SizingInputs) -> EnginePlan:
         kv_cache_bytes_per_rank=kv_cache,
         num_blocks=kv_cache // page_bytes,
         draft_layers=draft_layers,
+        checkpoint_interval=_checkpoint_interval(shape, inputs, block_size),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class _LayerBytes:
+    """One layer's cache bytes: an attention layer's per token, a recurrent layer's per request."""
+
+    dtype: int  # bytes per element of weights, KV and conv state
+    ssm_dtype: str  # the recurrent temporal state's dtype
+    attention_token: int  # K and V, one token, per rank
+    temporal: int
+    temporal_per_rank: int
+    conv: int
+    conv_per_rank: int
+
+    @classmethod
+    def of(cls, shape: ModelShape, inputs: SizingInputs) -> "_LayerBytes":
+        tp = inputs.tensor_parallel_size
+        _check_tp(shape, tp)
+        ssm_name = inputs.mamba_ssm_dtype or ssm_state_dtype(
+            inputs.device, inputs.dtype, shape.ssm_cache_dtype, shape.is_mamba2
+        )
+        dtype, ssm_dtype = _dtype_bytes(inputs.dtype), _dtype_bytes(ssm_name)
+        # Fewer KV heads than ranks: each rank keeps one replicated head (ModelConfig.get_num_kv_heads).
+        kv_heads_per_rank = max(1, shape.num_key_value_heads // tp)
+        if shape.is_mamba2:  # MambaStateShapeCalculator.mamba2_state_shape
+            state_heads, head_state = shape.mamba_num_heads, shape.mamba_head_dim * shape.mamba_state_size * ssm_dtype
+            kernel, conv_dim, conv_dim_per_rank = (
+                shape.mamba_conv_kernel,
+                shape.mamba_conv_dim(),
+                shape.mamba_conv_dim(tp) // tp,
+            )
+        else:  # gated_delta_net_state_shape: one value head's matrix per head
+            state_heads, head_state = (
+                shape.linear_num_value_heads,
+                shape.linear_key_head_dim * shape.linear_value_head_dim * ssm_dtype,
+            )
+            kernel, conv_dim = shape.linear_conv_kernel_dim, shape.linear_conv_dim
+            conv_dim_per_rank = conv_dim // tp
+        # Under speculative decoding vLLM keeps a draft's worth more conv positions (for rollback).
+        conv_positions = kernel - 1 + (inputs.num_speculative_tokens if inputs.speculative_method else 0)
+        return cls(
+            dtype=dtype,
+            ssm_dtype=ssm_name,
+            attention_token=2 * kv_heads_per_rank * shape.head_dim * dtype,
+            temporal=state_heads * head_state,
+            temporal_per_rank=state_heads // tp * head_state,
+            conv=conv_positions * conv_dim * dtype,
+            conv_per_rank=conv_positions * conv_dim_per_rank * dtype,
+        )
+
+
+def checkpoint_interval(config: EngineConfig, shape: ModelShape) -> int:
+    """Tokens between the recurrent-state checkpoints an engine of this configuration keeps,
+    in whole blocks of the size vLLM will pick (0: vLLM's default, one checkpoint where each
+    prompt's last whole block ends). Needs no memory figures, unlike `plan_for`."""
+    inputs = _inputs_of(config)
+    return _checkpoint_interval(shape, inputs, _engine_block_size(shape, inputs, _LayerBytes.of(shape, inputs)))
+
+
+def _checkpoint_interval(shape: ModelShape, inputs: SizingInputs, block_size: int) -> int:
+    if not (shape.is_hybrid and inputs.prefix_caching):
+        return 0
+    wanted = inputs.state_checkpoint_tokens
+    if wanted is None:
+        wanted = DEFAULT_CHECKPOINT_TOKENS[inputs.device]
+    return wanted and block_size * max(1, round(wanted / block_size))
+
+
+def _engine_block_size(shape: ModelShape, inputs: SizingInputs, layer: _LayerBytes) -> int:
+    if not shape.is_hybrid:
+        return inputs.block_size or DEFAULT_BLOCK_SIZE[inputs.device]
+    return _block_size(inputs, layer.temporal_per_rank + layer.conv_per_rank, layer.attention_token)
 
 
 # Drafts that read only the request's own tokens, and so cache nothing of their own.
@@ -726,11 +772,15 @@ def _reuse(plan: EnginePlan) -> str:
     if not plan.inputs.prefix_caching:
         return "off (--no-enable-prefix-caching)"
     if plan.shape.is_hybrid:
-        # vLLM's align mode keeps a state only where a prefill chunk ended on a block
-        # boundary: the last whole block of each prompt computed here, and chunk ends.
+        kept = (
+            f"every {plan.checkpoint_interval:,} prompt tokens, at a prompt's last whole block and at every block "
+            "end decoded past"
+            if plan.checkpoint_interval
+            else "where a prompt's last whole block ends"
+        )
         return (
             f"whole {plan.block_size:,}-token blocks, up to the last block end that holds a {plan.shape.state_kind} "
-            "state checkpoint (kept where a prompt's last whole block ended)"
+            f"state checkpoint (kept {kept})"
         )
     return f"whole {plan.block_size:,}-token blocks"
 
@@ -738,20 +788,22 @@ def _reuse(plan: EnginePlan) -> str:
 def plan_for(config: EngineConfig, shape: ModelShape, **inputs: Any) -> EnginePlan:
     """The plan of an engine pdserve is about to start with this configuration; `inputs` are
     the SizingInputs an engine configuration does not hold (GPU memory, request lengths)."""
-    return plan_engine(
-        shape,
-        SizingInputs(
-            device=config.device,
-            tensor_parallel_size=config.tensor_parallel_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            kv_cache_bytes=config.kv_cache_memory_bytes,
-            gpu_memory_utilization=config.gpu_memory_utilization,
-            dtype=config.dtype,
-            prefix_caching=config.enable_prefix_caching,
-            speculative_method=config.speculative_method,
-            num_speculative_tokens=config.num_speculative_tokens,
-            **inputs,
-        ),
+    return plan_engine(shape, _inputs_of(config, **inputs))
+
+
+def _inputs_of(config: EngineConfig, **inputs: Any) -> SizingInputs:
+    return SizingInputs(
+        device=config.device,
+        tensor_parallel_size=config.tensor_parallel_size,
+        max_model_len=config.max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        kv_cache_bytes=config.kv_cache_memory_bytes,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        dtype=config.dtype,
+        prefix_caching=config.enable_prefix_caching,
+        speculative_method=config.speculative_method,
+        num_speculative_tokens=config.num_speculative_tokens,
+        state_checkpoint_tokens=config.state_checkpoint_tokens,
+        **inputs,
     )
