@@ -105,6 +105,12 @@ PREFIX_PREDICTIONS = Counter(
 CACHE_QUERY_MISSES = Counter(
     "pdserve_cache_query_misses_total", "Prefix-cache questions to a prefill engine unanswered in time"
 )
+CACHE_QUERY = Histogram(
+    "pdserve_cache_query_seconds",
+    "Time a request waited for its pool's engines to say what they hold of its prompt",
+    ["pool"],
+    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+)
 
 _A = ["role", "actor"]
 RUNNING = Gauge("pdserve_actor_running_requests", "Requests running in the actor's engine", _A)

@@ -445,7 +445,9 @@ class Orchestrator:
             )
             for m in live
         }
+        asked = time.perf_counter()
         await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
+        metrics.CACHE_QUERY.labels(pool.role).observe(time.perf_counter() - asked)
         answers = {}
         for name, ask in asks.items():
             if ask.done() and not ask.cancelled() and ask.exception() is None:
