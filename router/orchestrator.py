@@ -232,7 +232,19 @@ class Orchestrator:
             # clients' ids are theirs to repeat; they are kept for display and logs only.
             leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
             first_pass = first_leg is None
-            prefill_member, prefill, plan = await self._prefill_or_local(leg)
+            # What the decode engines hold, asked while prefill runs: off the decode pick's
+            # critical path. Under P/D by the rule of a leg that pulls the prompt's state (a
+            # leg carrying prefill's token may be capped one block differently: it only
+            # orders the decode engines); a leg with no handoff after all asks again below.
+            pulls = not self.colocated
+            held = asyncio.ensure_future(self.cached_prefixes(self.decode, leg, state_pulled=pulls))
+            try:
+                prefill_member, prefill, plan = await self._prefill_or_local(leg)
+            except BaseException:
+                held.cancel()
+                raise
+            if (prefill is not None) != pulls:
+                held.cancel()
             first_leg = first_leg or (prefill, time.perf_counter())
             if first_pass and plan.route is not None:
                 predicted = plan.route.cached_tokens
@@ -241,6 +253,7 @@ class Orchestrator:
             handle = prefill.handle if prefill else None
             first = prefill.first if prefill else None  # sampled by prefill: out at once
             if first is not None and first.finish_reason is not None:  # and it was the last
+                held.cancel()
                 progress.add(first)
                 try:
                     yield out(first)
@@ -252,7 +265,7 @@ class Orchestrator:
             try:
                 route = plan.decode
                 if route is None:
-                    cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
+                    cached = await (held if (handle is not None) == pulls else self.cached_prefixes(self.decode, leg))
                     route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
             except NoWorkerError:
                 if handle is not None:
@@ -446,7 +459,12 @@ class Orchestrator:
             for m in live
         }
         asked = time.perf_counter()
-        await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
+        try:
+            await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
+        except asyncio.CancelledError:  # the question was dropped: so are its answers
+            for ask in asks.values():
+                ask.cancel()
+            raise
         metrics.CACHE_QUERY.labels(pool.role).observe(time.perf_counter() - asked)
         answers = {}
         for name, ask in asks.items():
