@@ -123,6 +123,27 @@ def _engines_idle(dep) -> bool:
     return True
 
 
+def sigkill(actor) -> None:
+    """SIGKILL an engine actor's process, as a crash would end it (Ray then restarts it)."""
+    import os
+    import signal
+
+    import ray
+
+    os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+
+
+def answers(actor) -> bool:
+    """The actor answers a call (not dead, not restarting)."""
+    import ray
+
+    try:
+        ray.get(actor.ready.remote(), timeout=5)
+        return True
+    except Exception:
+        return False
+
+
 def assert_no_blocks_held(dep, timeout_s: float = 5.0) -> None:
     assert wait_until(lambda: _engines_idle(dep), timeout_s), "blocks still held on an engine"
 

@@ -13,7 +13,7 @@ import time
 import grpc
 import pytest
 import ray
-from conftest import ServedStack, assert_no_blocks_held, run, stream_tokens, wait_until
+from conftest import ServedStack, answers, assert_no_blocks_held, run, sigkill, stream_tokens, wait_until
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from injection import state_slots, tamper_state
 from reference import MAX_TOKENS, PROMPTS, assert_matches, collect, decode_after, make_request
@@ -37,10 +37,6 @@ def _pid(actor) -> int:
     return ray.get(actor.pid.remote())
 
 
-def _sigkill(actor) -> None:
-    os.kill(_pid(actor), signal.SIGKILL)
-
-
 def _up(engine_config, **kwargs) -> tuple[Deployment, object]:
     dep = Deployment(DeploymentConfig(engine=engine_config, **kwargs))
     return dep, run(dep.start())
@@ -61,7 +57,7 @@ def test_prefill_killed_before_decode_pulls_fails_fast(fail_policy):
     dep, _ = fail_policy
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
     result = ray.get(prefill.prefill.remote(make_request("long", "orphan")))
-    _sigkill(prefill)
+    sigkill(prefill)
     started = time.monotonic()
     with pytest.raises(TransferFailedError, match="could not load"):
         run(decode_after(decode, result, make_request("long", "orphan")))
@@ -72,7 +68,7 @@ def test_restarted_prefill_actor_serves_again(fail_policy, reference):
     """Ray restarts the killed actor: a new engine under a new NIXL identity, handshaken anew."""
     dep, orchestrator = fail_policy
     prefill = dep.prefill.members[0].actor
-    assert wait_until(lambda: _answers(prefill), timeout_s=60)
+    assert wait_until(lambda: answers(prefill), timeout_s=60)
     before = dict(dep.health.handshakes)
     run(dep.health.refresh(poll_timeout_s=5))
     assert dep.health.handshakes[("prefill-0", "decode-0")] != before[("prefill-0", "decode-0")]  # re-handshaken
@@ -138,14 +134,6 @@ def test_health_not_serving_without_a_live_decode_actor(fail_policy, model_path)
         stack.close()
 
 
-def _answers(actor) -> bool:
-    try:
-        ray.get(actor.ready.remote(), timeout=5)
-        return True
-    except Exception:
-        return False
-
-
 @pytest.fixture(scope="module")
 def recompute_policy(ray_cluster, engine_config, reference, fail_policy):
     fail_policy[0].shutdown()  # at most a few engines on this box at once
@@ -163,15 +151,15 @@ def test_prefill_killed_recompute_policy_prefills_on_decode(recompute_policy, re
     dep, _ = recompute_policy
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
     result = ray.get(prefill.prefill.remote(make_request("x", "recompute")))
-    _sigkill(prefill)
+    sigkill(prefill)
     tokens = run(decode_after(decode, result, make_request("x", "recompute")))
     assert_matches(tokens, reference["x"])
-    wait_until(lambda: _answers(prefill), timeout_s=60)
+    wait_until(lambda: answers(prefill), timeout_s=60)
 
 
 def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_policy, reference):
     dep, orchestrator = recompute_policy
-    assert wait_until(lambda: _answers(dep.prefill.members[0].actor), timeout_s=60)
+    assert wait_until(lambda: answers(dep.prefill.members[0].actor), timeout_s=60)
     run(dep.health.refresh(poll_timeout_s=5))
 
     async def stream_and_kill():
@@ -181,7 +169,7 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
                 tokens.extend(event.token_ids)
                 if killed is None and len(tokens) >= 5:
                     killed = next(m for m in dep.decode.members if m.outstanding_requests)
-                    _sigkill(killed.actor)
+                    sigkill(killed.actor)
             else:
                 result = event
         return tokens, result, killed
@@ -190,7 +178,7 @@ def test_decode_killed_mid_stream_migrates_to_another_decode_actor(recompute_pol
     assert result.migrations == 1 and result.decode_worker != killed.name
     assert result.completion_tokens == MAX_TOKENS == len(tokens)
     assert_matches(tokens, reference["long"])  # one uninterrupted, correct stream
-    assert wait_until(lambda: _answers(killed.actor), timeout_s=60)  # Ray restarted it
+    assert wait_until(lambda: answers(killed.actor), timeout_s=60)  # Ray restarted it
     assert_no_blocks_held(dep, timeout_s=15)
 
 
@@ -199,7 +187,7 @@ def test_a_handoff_whose_digest_fails_is_recomputed_on_decode(recompute_policy, 
     refuses the pulled state and, under this deployment's policy, vLLM recomputes the request
     on decode: the client gets the right tokens."""
     dep, _ = recompute_policy
-    assert wait_until(lambda: _answers(dep.prefill.members[0].actor), timeout_s=60)
+    assert wait_until(lambda: answers(dep.prefill.members[0].actor), timeout_s=60)
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
     request = dataclasses.replace(make_request("x", "digest-recompute"), cache_salt="tampered-recompute")
     result = ray.get(prefill.prefill.remote(request))
@@ -218,7 +206,7 @@ def test_soak_with_cancellations_and_a_kill(recompute_policy):
     dep, orchestrator = recompute_policy
     # The module's kills restarted engines, and a deployment without a router polls no health
     # on its own: every engine answers and is handshaken again before the load.
-    assert wait_until(lambda: all(_answers(m.actor) for m in dep.prefill.members + dep.decode.members), 90)
+    assert wait_until(lambda: all(answers(m.actor) for m in dep.prefill.members + dep.decode.members), 90)
     run(dep.health.refresh(poll_timeout_s=5))
     assert all(m.live for m in dep.prefill.members + dep.decode.members)
     rng = random.Random(7)
@@ -263,7 +251,7 @@ def test_soak_with_cancellations_and_a_kill(recompute_policy):
     assert outcomes["completed"] >= SOAK_REQUESTS // 2, outcomes
     assert outcomes["cancelled"] > 0, outcomes
     # The killed actor comes back (Ray restart); then nothing is held anywhere.
-    assert wait_until(lambda: all(_answers(m.actor) for m in dep.prefill.members + dep.decode.members), 90)
+    assert wait_until(lambda: all(answers(m.actor) for m in dep.prefill.members + dep.decode.members), 90)
     assert_no_blocks_held(dep, timeout_s=30)
     print(f"soak outcomes: {outcomes}")
 

@@ -1,7 +1,7 @@
 """The architectures users serve, through P/D with real vLLM, NIXL and Ray: a dense GQA model
 (Qwen3), a MoE Gated DeltaNet hybrid (Qwen3.5 MoE), a Mamba-2 hybrid (NemotronH) and a
 sliding-window model (Gemma 3), each a tiny random-weight model (vllm_engine.tiny_models) in a
-1P+1D deployment.
+1P+2D deployment.
 
 Equivalence is by teacher forcing (vllm_engine.teacher_forcing): the colocated reference
 continues the prompt greedily; P/D is then forced along that continuation and must give the
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import assert_no_blocks_held, engine_counter, run
+from conftest import answers, assert_no_blocks_held, engine_counter, run, sigkill, wait_until
 from reference import prompt_of
 
 from controller.deployment import Deployment, DeploymentConfig
@@ -55,7 +55,8 @@ NO_PREFIX_CACHING = {"nemotron_h"}
 def served(request, ray_cluster):
     path = str(ensure_tiny_model(request.param))
     caching = request.param not in NO_PREFIX_CACHING
-    dep = Deployment(DeploymentConfig(engine=EngineConfig(model=path, enable_prefix_caching=caching)))
+    engine = EngineConfig(model=path, enable_prefix_caching=caching)
+    dep = Deployment(DeploymentConfig(engine=engine, num_decode=2))  # a second to migrate to
     orchestrator = run(dep.start())
     yield path, dep, orchestrator
     dep.shutdown()
@@ -86,6 +87,14 @@ async def _through_pd(orchestrator, request: GenerateRequest):
     return tokens, steps, result
 
 
+def _digest_checks(dep: Deployment) -> dict[str, float]:
+    """Handoffs each decode engine checked against the producer's digests."""
+    return {
+        m.name: engine_counter(m.actor, "pdserve_handoff_digest_checks", "outcome").get("checked", 0)
+        for m in dep.decode.members
+    }
+
+
 def _largest_gap(a: list[dict[int, float]], b: list[dict[int, float]], steps: int = STEPS) -> float:
     """The largest logprob difference over the tokens both top-k lists hold, every step; a
     step sharing fewer than TOP - 1 of them counts as infinitely far (a near-tie may swap
@@ -107,14 +116,16 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
     assert len(continuation) == STEPS
 
-    checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+    checks_before = _digest_checks(dep)
     tokens, pd, result = run(_through_pd(orchestrator, _request("pd", prompt, tuple(continuation))))
     assert tokens == continuation, "teacher forcing did not hold the continuation"
     # The handoff's blocks and state passed decode's digest check (kv_transfer.digests).
-    checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+    checks = _digest_checks(dep)
     print(path, "digest checks", checks_before, "->", checks)
-    assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
-    assert result.prefill_worker == "prefill-0" and result.decode_worker == "decode-0"
+    assert result.prefill_worker == "prefill-0"
+    assert {name: checks[name] - checks_before[name] for name in checks} == {
+        m.name: int(m.name == result.decode_worker) for m in dep.decode.members
+    }
     gap = _largest_gap(colocated, pd)
 
     # Control: the same continuation after another prompt, which is what a wrong state gives.
@@ -173,6 +184,51 @@ def test_a_stream_migrated_part_way_resumes_equal_to_colocated(served):
     print(f"{path}: resumed after {streamed} tokens: {gap:.4f} nats from colocated resumed, {drift:.4f} from unbroken")
     assert gap <= TOLERANCE_NATS
     assert drift <= RESUME_TOLERANCE_NATS
+    assert_no_blocks_held(dep, timeout_s=10)
+
+
+def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocated(served):
+    """The router's failover on each model (the last of its tests: an engine restarts): the
+    decode engine streaming a request, forced along the colocated continuation, is SIGKILLed
+    after a few tokens; the router resumes the stream on the other decode engine through a
+    fresh P/D leg of the prompt and the tokens streamed. The stream ends whole; up to the
+    break its logprobs are the unbroken colocated run's, and after it a colocated engine's
+    resuming at the same token (found as the first step that differs: on the recurrent
+    models the resumed leg computes the streamed tokens in one pass, which rounds otherwise)."""
+    path, dep, orchestrator = served
+    prompt = prompt_of(47, 5, PROMPT_TOKENS)
+    reference = dep.decode.members[1].actor
+    continuation, unbroken = run(_colocated(reference, _request("unbroken", prompt, salt="colocated")))
+    request = _request("killed", prompt, tuple(continuation))
+
+    async def stream_and_kill():
+        tokens, steps, result, killed = [], [], None, None
+        async for event in orchestrator.generate(request):
+            if isinstance(event, GenerationResult):
+                result = event
+                continue
+            tokens.extend(event.token_ids)
+            steps.extend(dict(top) for top in event.logprobs)
+            if killed is None and len(tokens) >= 5:
+                killed = next(m for m in dep.decode.members if m.outstanding_requests)
+                sigkill(killed.actor)
+        return tokens, steps, result, killed
+
+    tokens, steps, result, killed = run(stream_and_kill())
+    assert result.migrations == 1 and result.decode_worker != killed.name
+    assert tokens == continuation
+    # bf16 logits that differ at all differ by far more than 1e-4 nats.
+    broke = next((i for i in range(STEPS) if _largest_gap(unbroken[i : i + 1], steps[i : i + 1], 1) > 1e-4), STEPS)
+    assert broke >= 5, f"step {broke} differs from the unbroken run before the kill"
+    gap = 0.0  # no step differs: the whole stream is the unbroken run's
+    if broke < STEPS:
+        survivor = next(m.actor for m in dep.decode.members if m.name == result.decode_worker)
+        resumed = dataclasses.replace(request, request_id="colocated-resumed", cache_salt="colocated")
+        _, colocated = run(_colocated(survivor, resumed.continued(tuple(continuation[:broke]))))
+        gap = _largest_gap(colocated, steps[broke:], STEPS - broke)
+    print(f"{path}: {killed.name} killed, resumed on {result.decode_worker} at step {broke}: {gap:.4f} nats off")
+    assert gap <= TOLERANCE_NATS
+    assert wait_until(lambda: answers(killed.actor), timeout_s=60)  # Ray restarted it
     assert_no_blocks_held(dep, timeout_s=10)
 
 
