@@ -47,7 +47,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -82,6 +82,7 @@ from router.client import build_request, stream_generate
 from router.orchestrator import RouterPolicy
 from router.security import ClientCredentials
 from vllm_engine.config import EngineConfig, resolve_model
+from vllm_engine.sizing import ModelShape, plan_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,19 +238,29 @@ class ChatRow:
     later_ttft_p90_ms: float | None
     itl_p90_ms: float | None
     cached_share: float  # of later turns' prompt tokens
-    handle_bytes_per_later_turn: float
-    moved_bytes_per_later_turn: float  # NIXL's count on the decode engines, first turns' handles taken off
+    # What a handoff of each later turn's whole prompt moves (`pdserve plan`'s arithmetic),
+    # and what NIXL moved into the decode engines per later turn (first turns' handles taken
+    # off); a turn prefilled on its decode engine moves nothing.
+    full_bytes_per_later_turn: float
+    moved_bytes_per_later_turn: float
+
+    @property
+    def moved_share(self) -> float:
+        return self.moved_bytes_per_later_turn / max(self.full_bytes_per_later_turn, 1)
 
     def line(self) -> str:
         return (
             f"{self.system:<20} {self.rate:>5g} conv/s | {self.turns} turns, {self.failed} failed"
             f" | later turns TTFT p50/p90 {_fmt(self.later_ttft_p50_ms)}/{_fmt(self.later_ttft_p90_ms)} ms"
             f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | cached {self.cached_share:.0%}"
-            f" | moved / handle {self.moved_bytes_per_later_turn / max(self.handle_bytes_per_later_turn, 1):.2f}"
+            f" | moved / whole prompt's {self.moved_share:.2f}"
         )
 
 
-def chat_row(system: str, rate: float, turns: list[Turn], moved_bytes: float) -> ChatRow:
+def chat_row(
+    system: str, rate: float, turns: list[Turn], moved_bytes: float, full_bytes: Callable[[int], int]
+) -> ChatRow:
+    """`full_bytes`: what a handoff of a whole prompt of so many tokens moves."""
     ok = [t for t in turns if t.ttft_s is not None]
     later = [t for t in ok if t.index > 0]
     first_handles = sum(t.handle_bytes for t in ok if t.index == 0)
@@ -264,7 +275,7 @@ def chat_row(system: str, rate: float, turns: list[Turn], moved_bytes: float) ->
         later_ttft_p90_ms=_ms(ttft.p90),
         itl_p90_ms=_ms(LatencySummary.of([g for t in ok for g in t.gaps_s]).p90),
         cached_share=sum(t.cached_tokens for t in later) / prompt if prompt else 0.0,
-        handle_bytes_per_later_turn=sum(t.handle_bytes for t in later) / len(later) if later else 0.0,
+        full_bytes_per_later_turn=sum(full_bytes(t.prompt_tokens) for t in later) / len(later) if later else 0.0,
         moved_bytes_per_later_turn=max(0.0, moved_bytes - first_handles) / len(later) if later else 0.0,
     )
 
@@ -283,7 +294,14 @@ async def _nixl_bytes(stack: LocalStack) -> float:
 async def run_chat_system(
     model: str, system: System, trace: ChatTrace, rates: list[float], args: argparse.Namespace
 ) -> list[ChatRow]:
-    async with LocalStack(system.deployment(model, args.kv_cache_bytes), text_prompts=False) as stack:
+    deployment = system.deployment(model, args.kv_cache_bytes)
+    shape = ModelShape.from_model_dir(model)
+
+    def full_bytes(prompt_tokens: int) -> int:
+        plan = plan_for(deployment.role_engine("prefill"), shape, prompt_tokens=prompt_tokens)
+        return plan.bytes_moved_attention + plan.bytes_moved_sliding + plan.bytes_moved_state
+
+    async with LocalStack(deployment, text_prompts=False) as stack:
         async with ClientCredentials().channel(stack.server.address) as channel:
             await warm_up(channel, load_config(args))
             rows = []
@@ -291,7 +309,7 @@ async def run_chat_system(
                 before = await _nixl_bytes(stack)
                 label = re.sub(r"[^A-Za-z0-9.+=-]+", "-", f"{system.label}-{rate:g}")  # request ids' characters
                 turns = await run_chat(channel, trace, rate, label)
-                rows.append(chat_row(system.label, rate, turns, await _nixl_bytes(stack) - before))
+                rows.append(chat_row(system.label, rate, turns, await _nixl_bytes(stack) - before, full_bytes))
                 print(rows[-1].line(), file=sys.stderr, flush=True)
             return rows
 
@@ -614,18 +632,14 @@ def _chat(model: str, trace: ChatTrace, rates: list[float], args: argparse.Names
         print(row.line())
     by = {(r.system, r.rate): r for r in rows}
     aware, local, blind, off = (system.label for system in CHAT_SYSTEMS)
-
-    def moved(row: ChatRow) -> str:
-        return f"{row.moved_bytes_per_later_turn / max(row.handle_bytes_per_later_turn, 1):.2f}"
-
     for rate in rates:
         a, d, b, c = by[(aware, rate)], by[(local, rate)], by[(blind, rate)], by[(off, rate)]
         print(
             f"{rate:g} conv/s: later-turn TTFT p50 cache-aware / cache-blind "
             f"{(a.later_ttft_p50_ms or 0) / (b.later_ttft_p50_ms or float('inf')):.2f}x, / caching off "
             f"{(a.later_ttft_p50_ms or 0) / (c.later_ttft_p50_ms or float('inf')):.2f}x; bytes moved per later turn "
-            f"/ its handle (target <= 0.3): {moved(a)} cache-aware, {moved(d)} with decode prefilling <= "
-            f"{CHAT_SYSTEMS[1].local_prefill_uncached} uncached tokens"
+            f"/ the whole prompt's (target <= 0.3): {a.moved_share:.2f} cache-aware, {d.moved_share:.2f} with decode "
+            f"prefilling <= {CHAT_SYSTEMS[1].local_prefill_uncached} uncached tokens"
         )
     print(f"results: {out}")
     return 0
@@ -640,13 +654,13 @@ def _plot_chat(rows: list[ChatRow], path: Path) -> None:
         left.plot(rates, [r.later_ttft_p50_ms or 0 for r in mine], marker="o", label=system)
         right.plot(
             rates,
-            [r.moved_bytes_per_later_turn / max(r.handle_bytes_per_later_turn, 1) for r in mine],
+            [r.moved_share for r in mine],
             marker="o",
             label=system,
         )
     left.set(title="TTFT p50, turns after the first", xlabel="conversations/s", ylabel="ms")
     right.axhline(0.3, color="grey", linestyle=":", label="target")
-    right.set(title="bytes NIXL moved / handle, later turns", xlabel="conversations/s", ylabel="ratio")
+    right.set(title="bytes NIXL moved / whole prompt's, later turns", xlabel="conversations/s", ylabel="ratio")
     for ax in (left, right):
         ax.grid(alpha=0.3)
         ax.legend()
