@@ -125,14 +125,18 @@ def _engines_idle(dep, but: str = "") -> bool:
     return True
 
 
+def engine_pid(actor) -> int:
+    import ray
+
+    return ray.get(actor.pid.remote())
+
+
 def sigkill(actor) -> None:
     """SIGKILL an engine actor's process, as a crash would end it (Ray then restarts it)."""
     import os
     import signal
 
-    import ray
-
-    os.kill(ray.get(actor.pid.remote()), signal.SIGKILL)
+    os.kill(engine_pid(actor), signal.SIGKILL)
 
 
 def answers(actor) -> bool:

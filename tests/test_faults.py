@@ -13,7 +13,16 @@ import time
 import grpc
 import pytest
 import ray
-from conftest import ServedStack, answers, assert_no_blocks_held, run, sigkill, stream_tokens, wait_until
+from conftest import (
+    ServedStack,
+    answers,
+    assert_no_blocks_held,
+    engine_pid,
+    run,
+    sigkill,
+    stream_tokens,
+    wait_until,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from injection import state_slots, tamper_state
 from reference import MAX_TOKENS, PROMPTS, assert_matches, collect, decode_after, make_request
@@ -31,10 +40,6 @@ FAIL_LEASE_S = 10
 SOAK_REQUESTS = 40
 SOAK_CONCURRENCY = 12
 CLEAN_ERRORS = (DecodeFailedError, NoWorkerError, TransferFailedError)
-
-
-def _pid(actor) -> int:
-    return ray.get(actor.pid.remote())
 
 
 def _up(engine_config, **kwargs) -> tuple[Deployment, object]:
@@ -83,7 +88,7 @@ def test_transfer_from_a_stalled_peer_times_out(fail_policy, reference):
     assert_matches(tokens, reference["short"])
     prefill, decode = dep.prefill.members[0].actor, dep.decode.members[0].actor
     result = ray.get(prefill.prefill.remote(make_request("long", "stalled")))
-    pid = _pid(prefill)
+    pid = engine_pid(prefill)
     os.kill(pid, signal.SIGSTOP)  # alive but not making progress
     try:
         started = time.monotonic()

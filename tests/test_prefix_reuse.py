@@ -336,33 +336,43 @@ def test_a_conversation_hits_on_decode_and_pulls_less(deployment, uncached, case
     assert_no_blocks_held(dep)
 
 
+def _both_prefilled_on_one_decode_engine(dep, limit: int, first, second, salt: str, reference, hit: int):
+    """Conditional disaggregation (local_prefill_uncached `limit`): the `first` (name, Case)
+    is prefilled on a decode engine, with no prefill leg; the `second` then on that engine
+    from `hit` cached tokens, with nothing moved, equal to `reference`. Salted: it starts
+    cold whichever test ran first."""
+    from router.orchestrator import Orchestrator, RouterPolicy
+
+    orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, RouterPolicy(local_prefill_uncached=limit))
+    _, result = _generate(orchestrator, *first, cache_salt=salt)
+    assert result.prefill_worker == ""
+    holder = _member(dep, result.decode_worker)
+    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
+    tokens, again = _generate(orchestrator, *second, cache_salt=salt)
+    assert_matches(tokens, reference)
+    assert again.prefill_worker == "" and again.decode_worker == holder.name
+    assert again.cached_tokens == hit
+    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == hit
+    assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
+    assert_no_blocks_held(dep)
+
+
 def test_a_decode_engine_holding_the_prefix_prefills_the_rest_itself(deployment, uncached, cases, block):
     """Conditional disaggregation, local_prefill_uncached the document's length: the document
     is short enough to prefill on a decode engine (which keeps a state checkpoint at its last
-    whole block, as prefill does), and the longer prompt sharing it then
-    lacks less than that there: it is prefilled by that engine from its 2 cached blocks, with
-    no prefill leg and nothing moved, and equals the colocated engine without cache. Salted:
-    it starts cold whichever test ran first."""
+    whole block, as prefill does), and the longer prompt sharing it then lacks less than that
+    there: it is prefilled by that engine from its 2 cached blocks, with no prefill leg and
+    nothing moved, and equals the colocated engine without cache."""
     from router import metrics
-    from router.orchestrator import Orchestrator, RouterPolicy
 
     dep, _ = deployment
-    policy = RouterPolicy(local_prefill_uncached=cases["document"].length)
-    orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, policy)
     plans = metrics.PREFILL_PLANS
     short, held = plans.labels("short prompt")._value.get(), plans.labels("cached on decode")._value.get()
-    _, first = _generate(orchestrator, "local-document", cases["document"], cache_salt="local-prefill")
-    assert first.prefill_worker == "" and plans.labels("short prompt")._value.get() == short + 1
-    holder = _member(dep, first.decode_worker)
-    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
-    tokens, result = _generate(orchestrator, "local-longer", cases["longer"], cache_salt="local-prefill")
-    assert_matches(tokens, uncached["longer"])
+    document, longer = ("local-document", cases["document"]), ("local-longer", cases["longer"])
+    limit = cases["document"].length
+    _both_prefilled_on_one_decode_engine(dep, limit, document, longer, "local-prefill", uncached["longer"], 2 * block)
+    assert plans.labels("short prompt")._value.get() == short + 1
     assert plans.labels("cached on decode")._value.get() == held + 1
-    assert result.prefill_worker == "" and result.decode_worker == holder.name
-    assert result.cached_tokens == 2 * block
-    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == 2 * block
-    assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
-    assert_no_blocks_held(dep)
 
 
 def test_a_next_turn_resumes_where_its_decode_engine_decoded_past_a_block(deployment, uncached, cases, block):
@@ -370,24 +380,13 @@ def test_a_next_turn_resumes_where_its_decode_engine_decoded_past_a_block(deploy
     decode engine, whose answer crosses the first block end, where decoding keeps a state
     checkpoint; turn 2 then lacks at most local_prefill_uncached there, so that engine
     computes only past that block, with no prefill leg and nothing moved, and equals the
-    colocated engine without cache. Salted: it starts cold whichever test ran first."""
-    from router.orchestrator import Orchestrator, RouterPolicy
-
+    colocated engine without cache."""
     dep, _ = deployment
-    turn1, turn2, salt = cases["turn1"], cases["turn2"], "decoded-past"
-    policy = RouterPolicy(local_prefill_uncached=max(turn1.length, turn2.length - block))
-    orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, policy)
-    _, first = _generate(orchestrator, "decoded-turn1", turn1, cache_salt=salt)
-    assert first.prefill_worker == "" and turn1.length < block < turn1.length + MAX_TOKENS
-    holder = _member(dep, first.decode_worker)
-    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
-    tokens, second = _generate(orchestrator, "decoded-turn2", turn2, cache_salt=salt)
-    assert_matches(tokens, uncached["turn2"])
-    assert second.prefill_worker == "" and second.decode_worker == holder.name
-    assert second.cached_tokens == block
-    assert _prompt_tokens(holder)["local_cache_hit"] - hits_before == block
-    assert _nixl_bytes(holder) == bytes_before  # no handoff: nothing moved
-    assert_no_blocks_held(dep)
+    turn1, turn2 = cases["turn1"], cases["turn2"]
+    assert turn1.length < block < turn1.length + MAX_TOKENS
+    limit = max(turn1.length, turn2.length - block)
+    first, second = ("decoded-turn1", turn1), ("decoded-turn2", turn2)
+    _both_prefilled_on_one_decode_engine(dep, limit, first, second, "decoded-past", uncached["turn2"], block)
 
 
 def test_a_salted_prompt_shares_no_blocks_with_other_salts(deployment, uncached, cases, block):
