@@ -205,9 +205,7 @@ def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocat
     assert_no_blocks_held(dep, timeout_s=10, but=killed.name)
 
 
-# Qwen3's attention splits as the embedded hybrid's does (tests/test_tensor_parallel.py): left
-# out for the suite's time (docs/benchmarks.md has its figure).
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h", "gemma3"])
+@pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h", "qwen3", "gemma3"])
 def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, name):
     """TP 2 -> 1: each prefill rank holds half the KV heads (and half the Mamba-2 heads and
     groups, or the GDN heads), and decode's one rank reads both halves into its whole state.
