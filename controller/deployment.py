@@ -441,6 +441,8 @@ class Deployment:
             remove_placement_group(placement)
 
     def shutdown(self) -> None:
+        if self.orchestrator is not None:
+            self.orchestrator.close()
         for member in self.prefill.members + self.decode.members:
             self._remove(member)
         self.prefill.members.clear()

@@ -1,5 +1,5 @@
-"""What engines report to the router: their load (polled), their capacity (at start) and
-how much of a prompt their prefix cache holds (asked per request)."""
+"""What engines report to the router: their load (polled), their capacity (at start), how
+their prefix indexes change (followed) and how much of a prompt a prefix cache holds."""
 
 from __future__ import annotations
 
@@ -77,3 +77,29 @@ class PrefixHit:
     def __post_init__(self) -> None:
         if not 0 <= self.tokens <= self.attention_tokens:
             raise ValueError(f"need 0 <= tokens <= attention_tokens, got {self.tokens} and {self.attention_tokens}")
+
+
+# A block's hash as vLLM's KV cache events carry it: the low 64 bits as an int by default
+# (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else the whole digest.
+BlockKey = bytes | int
+
+
+@dataclass(frozen=True, slots=True)
+class IndexChange:
+    """Blocks one KV-cache group (vLLM's group index) stored, or evicted (`stored` False)."""
+
+    group: int
+    stored: bool
+    keys: tuple[BlockKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixIndexUpdate:
+    """How an engine's prefix index changed past `version` of its `generation`, in order; or,
+    `whole`, everything it holds, for a copy that starts again (a new router, an engine that
+    restarted or whose index started again, a copy further behind than the engine keeps)."""
+
+    generation: str
+    version: int  # after these changes
+    whole: bool
+    changes: tuple[IndexChange, ...]

@@ -94,22 +94,25 @@ DRAFT_TOKENS = Counter(
     "pdserve_draft_tokens_total", "Speculative decoding's draft tokens of finished requests, by outcome", ["outcome"]
 )
 PREDICTED_CACHED_TOKENS = Counter(
-    "pdserve_predicted_cached_tokens_total", "Prompt tokens the picked prefill engine said it held, when asked"
+    "pdserve_predicted_cached_tokens_total",
+    "Prompt tokens the picked prefill engine held, by this router's copy of its prefix index",
 )
 PREFIX_PREDICTIONS = Counter(
     "pdserve_prefix_predictions_total",
-    "Requests whose first prefill engine was asked what it held, by how its prefix index's answer compared "
-    "with the cached tokens the engine then reported: within 5%, over, under",
+    "Requests routed by prefix, by how the copy of their first engine's prefix index compared with the cached "
+    "tokens the engine then reported: within 5%, over, under",
     ["outcome"],
 )
-CACHE_QUERY_MISSES = Counter(
-    "pdserve_cache_query_misses_total", "Prefix-cache questions to a prefill engine unanswered in time"
+PREFIX_COPIES_UNREADY = Counter(
+    "pdserve_prefix_copies_unready_total",
+    "Engines counted as holding nothing of a prompt because this router's copy of their prefix index was "
+    "still starting",
 )
-CACHE_QUERY = Histogram(
-    "pdserve_cache_query_seconds",
-    "Time a request waited for its pool's engines to say what they hold of its prompt",
+PREFIX_LOOKUP = Histogram(
+    "pdserve_prefix_lookup_seconds",
+    "Time a request took to find what its pool's engines hold of its prompt (hashing it, reading the copies)",
     ["pool"],
-    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
+    buckets=(0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1),
 )
 
 _A = ["role", "actor"]

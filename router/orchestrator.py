@@ -42,6 +42,7 @@ from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
 from router.feeds import DecodeFeed
 from router.journal import RequestJournal
+from router.prefix_copies import PrefixCopies
 from router.shadow_verification import ShadowVerifier, emitted_logprobs, without_logprobs
 from cluster.pools import Member, Pool, RouteDecision
 
@@ -90,10 +91,15 @@ class RouterPolicy:
     release_timeout_s: float = knob(5.0, help="longest wait for a producer to free a request's blocks")
     cache_aware: bool = knob(
         True,
-        help="with several engines in a pool, ask each how much of the prompt its prefix cache holds: "
-        "prefill picks the least work (uncached + queued prompt tokens), decode the most held",
+        help="with several engines in a pool, route by how much of the prompt each one's prefix cache holds "
+        "(this router's copies of their indexes): prefill picks the least work (uncached + queued prompt "
+        "tokens), decode the most held",
     )
-    cache_query_timeout_s: float = knob(0.05, help="longest wait for the engines' prefix-cache answers")
+    index_copy_wait_s: float = knob(
+        0.05,
+        help="longest a request waits for this router's copy of a new engine's prefix index "
+        "(until then the engine counts as holding nothing)",
+    )
     decode_cache_slack: int = knob(
         1, help="a decode engine holding more of the prompt wins if it runs at most this many more requests"
     )
@@ -126,7 +132,7 @@ class RouterPolicy:
                 f"local_prefill_below {self.local_prefill_below}: at least 3 "
                 "(a hybrid's 1-token prefill hangs vLLM's CPU engine)"
             )
-        for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s", "cache_query_timeout_s"):
+        for name in ("prefill_timeout_s", "stall_timeout_s", "release_timeout_s", "index_copy_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.stall_timeout_s < 3 * FEED_HEARTBEAT_S:
@@ -204,6 +210,13 @@ class Orchestrator:
         # One batched token stream per decode actor for this router (router/feeds.py).
         self._feeds: dict[str, DecodeFeed] = {}
         self.shadow = ShadowVerifier(policy.verify_fraction, policy.verify_tokens) if policy.verify_fraction else None
+        self.prefix_copies = PrefixCopies()
+        if policy.cache_aware:  # started now, ready by the first request
+            self.prefix_copies.follow(prefill.live + decode.live)
+
+    def close(self) -> None:
+        """Stop following the engines' prefix indexes (their threads end within a poll)."""
+        self.prefix_copies.close()
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
@@ -232,19 +245,7 @@ class Orchestrator:
             # clients' ids are theirs to repeat; they are kept for display and logs only.
             leg = dataclasses.replace(current, request_id=f"{request.request_id[:48]}-{uuid.uuid4().hex[:12]}")
             first_pass = first_leg is None
-            # What the decode engines hold, asked while prefill runs: off the decode pick's
-            # critical path. Under P/D by the rule of a leg that pulls the prompt's state (a
-            # leg carrying prefill's token may be capped one block differently: it only
-            # orders the decode engines); a leg with no handoff after all asks again below.
-            pulls = not self.colocated
-            held = asyncio.ensure_future(self.cached_prefixes(self.decode, leg, state_pulled=pulls))
-            try:
-                prefill_member, prefill, plan = await self._prefill_or_local(leg)
-            except BaseException:
-                held.cancel()
-                raise
-            if (prefill is not None) != pulls:
-                held.cancel()
+            prefill_member, prefill, plan = await self._prefill_or_local(leg)
             first_leg = first_leg or (prefill, time.perf_counter())
             if first_pass and plan.route is not None:
                 predicted = plan.route.cached_tokens
@@ -253,7 +254,6 @@ class Orchestrator:
             handle = prefill.handle if prefill else None
             first = prefill.first if prefill else None  # sampled by prefill: out at once
             if first is not None and first.finish_reason is not None:  # and it was the last
-                held.cancel()
                 progress.add(first)
                 try:
                     yield out(first)
@@ -265,7 +265,7 @@ class Orchestrator:
             try:
                 route = plan.decode
                 if route is None:
-                    cached = await (held if (handle is not None) == pulls else self.cached_prefixes(self.decode, leg))
+                    cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
                     route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
             except NoWorkerError:
                 if handle is not None:
@@ -444,36 +444,17 @@ class Orchestrator:
     async def cached_prefixes(
         self, pool: Pool, request: GenerateRequest, state_pulled: bool = False, even_one: bool = False
     ) -> dict[str, PrefixHit]:
-        """How much of the prompt each live engine of `pool` holds in its prefix cache, asked
-        when there is a choice to make (`even_one`: of a single engine too; an engine that
-        answers late or not at all counts 0); `state_pulled`: for decode legs that pull the
-        prompt's state."""
+        """How much of the prompt each live engine of `pool` holds in its prefix cache, when
+        there is a choice to make (`even_one`: of a single engine too), from this router's
+        copies of their indexes; `state_pulled`: for decode legs that pull the prompt's state."""
         live = pool.live
         if not self.policy.cache_aware or len(live) < (1 if even_one else 2):
             return {}
-        prompt = list(request.prompt_token_ids)
-        asks = {
-            m.name: asyncio.ensure_future(
-                _resolve(m.actor.cached_prefix.remote(prompt, state_pulled, request.cache_salt))
-            )
-            for m in live
-        }
-        asked = time.perf_counter()
-        try:
-            await asyncio.wait(asks.values(), timeout=self.policy.cache_query_timeout_s)
-        except asyncio.CancelledError:  # the question was dropped: so are its answers
-            for ask in asks.values():
-                ask.cancel()
-            raise
-        metrics.CACHE_QUERY.labels(pool.role).observe(time.perf_counter() - asked)
-        answers = {}
-        for name, ask in asks.items():
-            if ask.done() and not ask.cancelled() and ask.exception() is None:
-                answers[name] = ask.result()
-            else:
-                ask.cancel()
-                metrics.CACHE_QUERY_MISSES.inc()
-        return answers
+        started = time.perf_counter()
+        prompt, salt = request.prompt_token_ids, request.cache_salt
+        hits = await self.prefix_copies.hits(live, prompt, salt, state_pulled, self.policy.index_copy_wait_s)
+        metrics.PREFIX_LOOKUP.labels(pool.role).observe(time.perf_counter() - started)
+        return hits
 
     async def _prefill_or_local(
         self, request: GenerateRequest
@@ -481,10 +462,8 @@ class Orchestrator:
         """Prefill where `plan_prefill` says; a prefill actor that dies meanwhile is marked
         and the leg planned again."""
         while True:
-            prefill_cached, decode_cached = await asyncio.gather(
-                self.cached_prefixes(self.prefill, request),
-                self._decode_holdings(request),
-            )
+            prefill_cached = await self.cached_prefixes(self.prefill, request)
+            decode_cached = await self._decode_holdings(request)
             plan = self.plan_prefill(request, prefill_cached, decode_cached)
             metrics.PREFILL_PLANS.labels(plan.reason).inc()
             if plan.route is None:

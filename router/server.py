@@ -262,6 +262,7 @@ class RouterServer:
             self._monitor.cancel()
         await self._health.enter_graceful_shutdown()
         await self._server.stop(grace_s)
+        self.orchestrator.close()
 
     async def wait(self) -> None:
         await self._server.wait_for_termination()

@@ -7,6 +7,7 @@ mid-stream, no live prefill engine) run in test_faults.py."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -21,23 +22,12 @@ from router.orchestrator import Orchestrator, RouterPolicy
 REQUEST = GenerateRequest("r-1", tuple(range(1, 17)), SamplingConfig(max_tokens=2))
 
 
-class _Nothing:
-    """`actor.cached_prefix.remote(prompt)`: holds none of it."""
-
-    def remote(self, prompt: list[int], state_pulled: bool = False, cache_salt: str = ""):  # noqa: ANN201
-        async def call() -> PrefixHit:
-            return PrefixHit()
-
-        return call()
-
-
 class _Prefill:
     """`actor.prefill.remote(request)`: answers `outcome` (an exception is raised), or hangs."""
 
     def __init__(self, outcome) -> None:  # noqa: ANN001
         self.outcome = outcome
         self.prefill = self
-        self.cached_prefix = _Nothing()
         self.calls = 0
 
     def remote(self, request: GenerateRequest):  # noqa: ANN201
@@ -54,6 +44,9 @@ class _Prefill:
 
 
 def _orchestrator(*prefill_actors, policy: RouterPolicy = RouterPolicy()) -> Orchestrator:  # noqa: ANN002
+    """Routing blind to prefix caches: these stand-ins have no index to follow (decisions by
+    what engines hold take their answers as arguments)."""
+    policy = dataclasses.replace(policy, cache_aware=False)
     members = [Member(f"prefill-{i}", actor) for i, actor in enumerate(prefill_actors)]
     for member in members:
         member.mark_live()

@@ -1,6 +1,7 @@
-"""The prefix index's hybrid rule on vLLM's own event types, and the prefill pick that reads
-it (fast: no engine). The index against a real engine's events and hashes, and the router's
-pick through it, run in tests/test_prefix_reuse.py."""
+"""The prefix index's hybrid rule on vLLM's own event types, a router's copy of it, prompt
+hashing against vLLM's own function, and the prefill pick that reads it (fast: no engine).
+The index against a real engine's events and hashes, and the router's pick through its copy,
+run in tests/test_prefix_reuse.py."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStor
 from cluster.pools import Member, Pool
 from kv_transfer.layout import CacheGroup, GroupKind, StateLayout
 from messages.reports import PrefixHit
-from vllm_engine.prefix_index import PrefixIndex
+from vllm_engine.kv_events import index_changes
+from vllm_engine.prefix_index import BlockHashing, PrefixIndex
 
 BLOCK = 4
 # vLLM's group order for the embedded hybrid: three DeltaNet groups, then attention.
@@ -34,7 +36,7 @@ def _stored(hashes: list[int], group: int) -> BlockStored:
 
 def _index(attention: list[int], states: list[int]) -> PrefixIndex:
     index = PrefixIndex()
-    index.apply([_stored(attention, 3), *(_stored(states, g) for g in range(3))])
+    index.record(index_changes([_stored(attention, 3), *(_stored(states, g) for g in range(3))]))
     return index
 
 
@@ -49,7 +51,7 @@ def test_a_checkpoint_beyond_the_attention_blocks_is_no_hit():
 
 def test_a_checkpoint_missing_in_one_state_group_is_no_hit():
     index = _index(HASHES, [])
-    index.apply([_stored([HASHES[3]], 0), _stored([HASHES[3]], 1)])  # not group 2
+    index.record(index_changes([_stored([HASHES[3]], 0), _stored([HASHES[3]], 1)]))  # not group 2
     assert index.hit(HASHES, 17, LAYOUT).tokens == 0
 
 
@@ -60,10 +62,72 @@ def test_the_prompts_last_token_is_always_computed():
 
 def test_removals_and_clears_take_blocks_out():
     index = _index(HASHES, HASHES)
-    index.apply([BlockRemoved([HASHES[1]], None, group_idx=3)])  # an attention block evicted
+    index.record(index_changes([BlockRemoved([HASHES[1]], None, group_idx=3)]))  # an attention block evicted
     assert index.hit(HASHES, 17, LAYOUT).tokens == BLOCK
-    index.apply([AllBlocksCleared()])
+    index.record(index_changes([AllBlocksCleared()]))
     assert index.hit(HASHES, 17, LAYOUT).tokens == 0 and len(index) == 0
+
+
+def _copied(index: PrefixIndex, copy: PrefixIndex) -> str:
+    """Bring `copy` up to `index` as a router does; how: "delta", "whole" or "current"."""
+    update = index.changes_since(copy.generation, copy.version)
+    if update is None:
+        return "current"
+    copy.follow(update)
+    assert copy.hit(HASHES, 17, LAYOUT) == index.hit(HASHES, 17, LAYOUT)
+    assert (copy.generation, copy.version, len(copy)) == (index.generation, index.version, len(index))
+    return "whole" if update.whole else "delta"
+
+
+def test_a_copy_follows_changes_and_starts_again_whole(monkeypatch):
+    index, copy = _index(HASHES, HASHES), PrefixIndex()
+    assert _copied(index, copy) == "whole"  # a new copy: another generation
+    assert _copied(index, copy) == "current"
+    index.record(index_changes([BlockRemoved([HASHES[2]], None, group_idx=3)]))
+    index.record(index_changes([_stored([HASHES[2]], 3), BlockRemoved([HASHES[3]], None, group_idx=1)]))
+    assert _copied(index, copy) == "delta" and copy.hit(HASHES, 17, LAYOUT) == PrefixHit(3 * BLOCK, 4 * BLOCK)
+    index.record(index_changes([AllBlocksCleared(), _stored(HASHES[:1], 3)]))  # the engine's cache cleared
+    assert _copied(index, copy) == "whole" and copy.hit(HASHES, 17, LAYOUT) == PrefixHit(0, BLOCK)
+    index.clear()  # events lost and not replayed: the index restarts empty
+    assert _copied(index, copy) == "whole" and len(copy) == 0
+    monkeypatch.setattr("vllm_engine.prefix_index._HISTORY", 2)
+    index, copy = PrefixIndex(), PrefixIndex()
+    _copied(index, copy)
+    for h in HASHES:  # more batches than the index remembers: the copy is sent it whole
+        index.record(index_changes([_stored([h], 3)]))
+    assert _copied(index, copy) == "whole"
+
+
+def _vllms_hashes(token_ids: list[int], block_size: int, cache_salt: str, algo: str) -> list:
+    """vLLM's own: hash_block_tokens from NONE_HASH, with the extra keys vLLM gives a salt."""
+    from vllm import envs
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
+        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra)
+        hashes.append(kv_cache_utils.maybe_convert_block_hash(parent))
+    assert isinstance(hashes[0], int) == bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+    return hashes
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+@pytest.mark.parametrize("salt", ["", "tenant-a"])
+def test_a_router_hashes_a_prompt_as_vllm_does(algo, salt):
+    tokens = [(i * 7919) % 50_000 for i in range(1000)]  # 3 whole 256-token blocks and a partial one
+    hashing = BlockHashing.of_engine(256, algo)
+    assert hashing.hashes(tokens, salt) == _vllms_hashes(tokens, 256, salt, algo)
+    assert len(hashing.hashes(tokens, salt)) == 3
+    assert hashing.hashes(tokens, salt) != hashing.hashes(tokens, "another salt")
+
+
+def test_a_hashing_routers_cannot_reproduce_is_refused():
+    with pytest.raises(ValueError, match="xxhash"):
+        BlockHashing("xxhash", b"seed", True, 256)
 
 
 def _member(name: str) -> Member:
@@ -140,7 +204,7 @@ def test_engine_socket_directories_of_dead_processes_are_swept(tmp_path, monkeyp
     import sys
     import tempfile
 
-    from vllm_engine.prefix_index import EngineSockets
+    from vllm_engine.kv_events import EngineSockets
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

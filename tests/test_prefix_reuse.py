@@ -2,7 +2,7 @@
 in both pools against a colocated engine computing every prompt whole (each reference request
 under a cache salt of its own), token for token; what each
 engine reused (cached tokens reported, prompt tokens by source, bytes NIXL moved) and where
-the router sent each prompt (the prefill engine that said it holds the prefix).
+the router sent each prompt (the engine its copies of their prefix indexes found it on).
 
 Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
 DeltaNet state is bf16): a prompt a hybrid engine prefills reuses a prefix up to the last block
@@ -217,10 +217,11 @@ def _predicted() -> float:
 
 
 def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, cases, block):
-    """The document, then the document with more, with two prefill engines: the router asks
-    both what they hold and sends it to the one with the document, which computes only past
-    its 2 cached blocks (the shared prefix ends inside the third) and had said so. Decode has
-    no state checkpoint there (it decoded past no block end), so it pulls every block."""
+    """The document, then the document with more, with two prefill engines: the router's
+    copies of both engines' indexes send it to the one with the document, which computes only
+    past its 2 cached blocks (the shared prefix ends inside the third), as the copy said: the
+    router hashed the prompt as that engine's events name its blocks. Decode has no state
+    checkpoint there (it decoded past no block end), so it pulls every block."""
     dep, orchestrator = deployment
     _, first = _generate(orchestrator, "document", cases["document"])
     assert first.cached_tokens == 0
@@ -232,7 +233,7 @@ def test_a_prefill_hit_equals_colocated_without_cache(deployment, uncached, case
     tokens, result = _generate(orchestrator, "longer", cases["longer"])
     assert_matches(tokens, uncached["longer"])
     assert result.prefill_worker == holder.name and result.cached_tokens == 2 * block
-    assert _predicted() - predicted == 2 * block  # what the engine's index said, from vLLM's events
+    assert _predicted() - predicted == 2 * block  # the router's copy of the engine's index, from vLLM's events
     after = _prompt_tokens(holder)
     assert after["local_cache_hit"] - before.get("local_cache_hit", 0) == 2 * block
     assert after["computed"] - before["computed"] == cases["longer"].length - 2 * block
@@ -344,11 +345,14 @@ def _both_prefilled_on_one_decode_engine(dep, limit: int, first, second, salt: s
     from router.orchestrator import Orchestrator, RouterPolicy
 
     orchestrator = Orchestrator(dep.prefill, dep.decode, dep.limits, RouterPolicy(local_prefill_uncached=limit))
-    _, result = _generate(orchestrator, *first, cache_salt=salt)
-    assert result.prefill_worker == ""
-    holder = _member(dep, result.decode_worker)
-    hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
-    tokens, again = _generate(orchestrator, *second, cache_salt=salt)
+    try:
+        _, result = _generate(orchestrator, *first, cache_salt=salt)
+        assert result.prefill_worker == ""
+        holder = _member(dep, result.decode_worker)
+        hits_before, bytes_before = _prompt_tokens(holder).get("local_cache_hit", 0), _nixl_bytes(holder)
+        tokens, again = _generate(orchestrator, *second, cache_salt=salt)
+    finally:
+        orchestrator.close()
     assert_matches(tokens, reference)
     assert again.prefill_worker == "" and again.decode_worker == holder.name
     assert again.cached_tokens == hit
@@ -405,11 +409,13 @@ def test_a_salted_prompt_shares_no_blocks_with_other_salts(deployment, uncached,
     assert_no_blocks_held(dep)
 
 
-async def _index_forgot(member, request: GenerateRequest, timeout_s: float = 5.0) -> bool:
-    """The engine's index holds none of the prompt (its eviction events applied)."""
+async def _copy_forgot(orchestrator, member, request: GenerateRequest, timeout_s: float = 5.0) -> bool:
+    """The router's copy of the engine's index holds none of the prompt (the engine's eviction
+    events reached it)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
-        hit = await member.actor.cached_prefix.remote(list(request.prompt_token_ids), False, request.cache_salt)
+        copies = orchestrator.prefix_copies
+        hit = (await copies.hits([member], request.prompt_token_ids, request.cache_salt, False, 1.0))[member.name]
         if hit.attention_tokens == 0 or asyncio.get_running_loop().time() > deadline:
             return hit.attention_tokens == 0
         await asyncio.sleep(0.05)
@@ -445,7 +451,7 @@ def test_a_hit_evicted_between_routing_and_scheduling_is_computed_whole(deployme
         if pool is dep.prefill and request.cache_salt == salt:
             assert answers[holder.name].tokens == 2 * block  # what the router is told
             await evict()
-            evicted.append(await _index_forgot(holder, request))
+            evicted.append(await _copy_forgot(orchestrator, holder, request))
         return answers
 
     over = metrics.PREFIX_PREDICTIONS.labels("over")._value.get()
@@ -457,5 +463,5 @@ def test_a_hit_evicted_between_routing_and_scheduling_is_computed_whole(deployme
     assert_matches(tokens, uncached["longer"])
     assert result.prefill_worker == holder.name and result.cached_tokens == 0
     assert metrics.PREFIX_PREDICTIONS.labels("over")._value.get() == over + 1
-    assert evicted == [True], "the holder's index still held the document after the fillers"
+    assert evicted == [True], "the router's copy of the holder's index still held the document after the fillers"
     assert_no_blocks_held(dep)

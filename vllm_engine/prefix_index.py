@@ -1,12 +1,10 @@
-"""Where a prompt's prefix lives on this engine: an index of its cached blocks, kept from
-vLLM's own KV cache events, and the prompt tokens it would reuse.
+"""Where a prompt's prefix lives on an engine: an index of its cached blocks per KV-cache
+group, and the prompt tokens it would reuse.
 
-vLLM publishes each block stored or evicted per KV-cache group (`kv_events_config`, ZMQ); the
-engine's actor subscribes over an IPC socket in a private directory (no network listener) and
-keeps one set of block hashes per group. Events come from the engine-core process on GPU
-(AsyncLLM) as on CPU, so this is the one view that works on both paths. A gap in the event
-sequence asks vLLM's replay socket for what was missed; if the replay cannot cover it the
-index starts again empty (it under-predicts until blocks are stored again, never over).
+The engine's actor keeps one from vLLM's KV cache events (vllm_engine.kv_events) and logs its
+changes; each router keeps a copy of it, followed from that log (router/prefix_copies.py),
+and hashes a prompt as vLLM does (`BlockHashing`), so routing asks no engine anything.
+Nothing here imports vLLM at module level: routers load this module and never load vLLM.
 
 A hybrid's hit needs every group: the attention blocks of each whole block up to the hit,
 and a DeltaNet state checkpoint at its end (vLLM keeps those only at some block ends, align
@@ -17,102 +15,146 @@ blocks alone: the producer's final state replaces any checkpoint.
 
 from __future__ import annotations
 
-import glob
-import logging
-import os
-import shutil
-import tempfile
+import hashlib
+import pickle
 import threading
-import time
+import uuid
+from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Callable, Sequence
 
 from kv_transfer.layout import GroupKind, StateLayout
-from messages.reports import PrefixHit
-from vllm_engine.metrics import KV_EVENT_LAG, PREFIX_INDEX_BLOCKS, PREFIX_INDEX_RESYNCS
+from messages.reports import BlockKey, IndexChange, PrefixHit, PrefixIndexUpdate
 
-if TYPE_CHECKING:
-    from vllm.config.kv_events import KVEventsConfig
-
-log = logging.getLogger(__name__)
-
-_POLL_MS = 100
-_PREFIX = "pdserve-engine-ipc-"
-# A block's hash as vLLM's events carry it: the low 64 bits as an int by default
-# (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), else the whole digest.
-BlockKey = bytes | int
+# Event batches an engine's index remembers for copies that fell behind: beyond them a copy
+# is sent the whole index (one batch per engine step that stored or evicted blocks).
+_HISTORY = 4096
+_LOW_64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True, slots=True)
-class EngineSockets:
-    """One engine's IPC paths, in a directory only this user can enter: its KV cache events,
-    and vLLM's own sockets (VLLM_RPC_BASE_PATH: AsyncLLM's engine core, TP ranks), which vLLM
-    would otherwise leave in /tmp when the engine is killed."""
+class BlockHashing:
+    """How an engine names its blocks in its KV cache events: vLLM's hash of each full block,
+    chained from the seed block NONE_HASH, of (parent, tokens, extra keys: the cache salt on
+    the first block); the low 64 bits as an int where vLLM's events carry ints. Computed here
+    as vLLM 0.32 computes it (vllm/v1/core/kv_cache_utils.py hash_block_tokens), so that a
+    router, which does not load vLLM, hashes a prompt as the engine does;
+    tests/test_prefix_reuse.py checks it against vLLM's own function and the engine's events."""
 
-    directory: str
+    algo: str  # vLLM's prefix_caching_hash_algo: "sha256" (pickle) or "sha256_cbor"
+    none_hash: bytes
+    int_keys: bool
+    block_size: int
+
+    def __post_init__(self) -> None:
+        if self.algo not in ("sha256", "sha256_cbor"):
+            raise ValueError(
+                f"prefix_caching_hash_algo {self.algo!r}: routers reproduce 'sha256' and 'sha256_cbor' "
+                "(xxhash seeds each engine process at random)"
+            )
 
     @classmethod
-    def private(cls) -> "EngineSockets":
-        """A fresh directory (mode 0700) named for this process; those of processes that died
-        without removing theirs (a killed actor) go first."""
-        for stale in glob.glob(os.path.join(tempfile.gettempdir(), f"{_PREFIX}*")):
-            pid = os.path.basename(stale)[len(_PREFIX) :].split("-", 1)[0]
-            if pid.isdigit() and not _alive(int(pid)):
-                shutil.rmtree(stale, ignore_errors=True)
-        return cls(tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-"))
+    def of_engine(cls, block_size: int, algo: str = "sha256") -> BlockHashing:
+        """The engine's, derived by vLLM's own rule in this process (the engine core derives it
+        from the same environment: PYTHONHASHSEED, else vLLM's fixed seed)."""
+        from vllm import envs
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
 
-    @property
-    def endpoint(self) -> str:
-        return f"ipc://{os.path.join(self.directory, 'events')}"
+        hash_fn = get_hash_fn_by_name(algo)
+        none_hash = hash_fn(resolve_none_hash_seed(hash_fn))
+        return cls(algo, none_hash, bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES), block_size)
 
-    @property
-    def replay_endpoint(self) -> str:
-        return f"ipc://{os.path.join(self.directory, 'replay')}"
+    def hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[BlockKey]:
+        """The keys of the prompt's full blocks, in order."""
+        serialize: Callable[[Any], bytes]
+        if self.algo == "sha256":
+            serialize = _pickled
+        else:
+            import cbor2
 
-    def process_env(self) -> dict[str, str]:
-        return {"VLLM_RPC_BASE_PATH": self.directory}
+            def serialize(value: Any) -> bytes:
+                return cbor2.dumps(value, canonical=True)
 
-    def kv_events_config(self) -> "KVEventsConfig":
-        from vllm.config.kv_events import KVEventsConfig
+        keys: list[BlockKey] = []
+        parent = self.none_hash
+        size = self.block_size
+        for start in range(0, len(token_ids) - size + 1, size):
+            extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
+            parent = hashlib.sha256(serialize((parent, tuple(token_ids[start : start + size]), extra))).digest()
+            keys.append(int.from_bytes(parent, "big") & _LOW_64 if self.int_keys else parent)
+        return keys
 
-        return KVEventsConfig(
-            enable_kv_cache_events=True,
-            publisher="zmq",
-            endpoint=self.endpoint,
-            replay_endpoint=self.replay_endpoint,
-        )
 
-    def remove(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+def _pickled(value: Any) -> bytes:
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 class PrefixIndex:
-    """Block hashes cached per KV-cache group (vLLM's group index), as its events say."""
+    """Block keys held per KV-cache group (vLLM's group index).
+
+    An engine's index `record`s its events and remembers the latest batches, so a copy asks
+    only for what changed (`changes_since`); a copy `follow`s those updates. `generation`
+    changes whenever the index starts again (a clear), so a copy of an older one is sent the
+    whole index."""
 
     def __init__(self) -> None:
         self._blocks: dict[int, set[BlockKey]] = {}
         self._lock = threading.Lock()
+        self.generation = uuid.uuid4().hex
+        self.version = 0
+        self._log: deque[tuple[int, tuple[IndexChange, ...]]] = deque(maxlen=_HISTORY)
+        self._listeners: list[Callable[[], None]] = []
 
     def __len__(self) -> int:
         with self._lock:
             return sum(len(blocks) for blocks in self._blocks.values())
 
-    def apply(self, events: Sequence[Any]) -> None:
-        """One batch of vLLM's events (BlockStored, BlockRemoved, AllBlocksCleared)."""
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call `listener` (on the recording thread) after each change."""
+        self._listeners.append(listener)
 
+    def record(self, changes: Sequence[IndexChange | None]) -> None:
+        """One batch of the engine's events, in order; None: every block was cleared."""
         with self._lock:
-            for event in events:
-                if isinstance(event, AllBlocksCleared):
-                    self._blocks.clear()
-                elif isinstance(event, BlockStored):
-                    self._blocks.setdefault(event.group_idx or 0, set()).update(event.block_hashes)
-                elif isinstance(event, BlockRemoved):
-                    self._blocks.get(event.group_idx or 0, set()).difference_update(event.block_hashes)
+            batch: list[IndexChange] = []
+            for change in changes:
+                if change is None:
+                    self._restart()
+                    batch.clear()
+                else:
+                    self._apply(change)
+                    batch.append(change)
+            self.version += 1
+            self._log.append((self.version, tuple(batch)))
+        self._changed()
 
     def clear(self) -> None:
         with self._lock:
-            self._blocks.clear()
+            self._restart()
+        self._changed()
+
+    def changes_since(self, generation: str, version: int) -> PrefixIndexUpdate | None:
+        """What a copy at (`generation`, `version`) lacks; None if nothing."""
+        with self._lock:
+            if generation == self.generation:
+                if version == self.version:
+                    return None
+                oldest = self._log[0][0] if self._log else self.version + 1
+                if oldest <= version + 1 <= self.version + 1:
+                    changes = tuple(c for v, batch in self._log if v > version for c in batch)
+                    return PrefixIndexUpdate(self.generation, self.version, False, changes)
+            held = tuple(IndexChange(group, True, tuple(keys)) for group, keys in self._blocks.items())
+            return PrefixIndexUpdate(self.generation, self.version, True, held)
+
+    def follow(self, update: PrefixIndexUpdate) -> None:
+        """Apply an update of the index this one copies (from its `changes_since`)."""
+        with self._lock:
+            if update.whole:
+                self._blocks.clear()
+            for change in update.changes:
+                self._apply(change)
+            self.generation, self.version = update.generation, update.version
 
     def hit(
         self, block_hashes: Sequence[BlockKey], prompt_tokens: int, layout: StateLayout, state_pulled: bool = False
@@ -136,104 +178,17 @@ class PrefixIndex:
                     return PrefixHit(hit * block_size, run * block_size)
         return PrefixHit(0, run * block_size)
 
+    def _apply(self, change: IndexChange) -> None:
+        if change.stored:
+            self._blocks.setdefault(change.group, set()).update(change.keys)
+        else:
+            self._blocks.get(change.group, set()).difference_update(change.keys)
 
-class EventSubscriber:
-    """Reads one engine's event stream into a `PrefixIndex` on a thread of its own."""
+    def _restart(self) -> None:
+        self._blocks.clear()
+        self._log.clear()
+        self.generation, self.version = uuid.uuid4().hex, 0
 
-    def __init__(self, sockets: EngineSockets, index: PrefixIndex) -> None:
-        self._sockets = sockets
-        self._index = index
-        self._running = True
-        self._thread = threading.Thread(target=self._run, name="pdserve-kv-events", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._running = False
-        self._thread.join(timeout=2)
-
-    def _run(self) -> None:
-        import msgspec
-        import zmq
-        from vllm.distributed.kv_events import KVEventBatch
-
-        decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
-        context = zmq.Context.instance()
-        sub = context.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(self._sockets.endpoint)
-        expected = 0  # a batch published before this socket joined is replayed
-        try:
-            while self._running:
-                if not sub.poll(_POLL_MS):
-                    continue
-                _, seq_bytes, payload = sub.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big")
-                if seq > expected and not self._replay(context, decoder, expected, seq):
-                    PREFIX_INDEX_RESYNCS.inc()
-                    log.warning("KV events %d-%d lost and not replayed: prefix index restarts", expected, seq - 1)
-                    self._index.clear()
-                batch = decoder.decode(payload)
-                self._index.apply(batch.events)
-                KV_EVENT_LAG.observe(max(0.0, time.time() - batch.ts))
-                PREFIX_INDEX_BLOCKS.set(len(self._index))
-                expected = seq + 1
-        finally:
-            sub.close(linger=0)
-
-    def _replay(self, context: Any, decoder: Any, start: int, until: int) -> bool:
-        """Batches [start, until) from vLLM's replay socket; False if it no longer has them."""
-        import zmq
-
-        dealer = context.socket(zmq.DEALER)  # vLLM's ROUTER answers one request with many frames
-        dealer.setsockopt(zmq.RCVTIMEO, 2000)
-        dealer.connect(self._sockets.replay_endpoint)
-        try:
-            dealer.send_multipart((b"", start.to_bytes(8, "big")))
-            batches: dict[int, Any] = {}
-            while True:
-                _, _, seq_bytes, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq_bytes, "big", signed=True)
-                if seq < 0:  # vLLM's end-of-replay marker
-                    break
-                if seq < until:
-                    batches[seq] = decoder.decode(payload)
-            if set(batches) != set(range(start, until)):
-                return False
-            for seq in range(start, until):
-                self._index.apply(batches[seq].events)
-            return True
-        except zmq.Again:
-            return False
-        finally:
-            dealer.close(linger=0)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def block_hashes(
-    token_ids: Sequence[int], block_size: int, cache_salt: str = "", hash_algo: str = "sha256"
-) -> list[BlockKey]:
-    """The hashes vLLM gives this prompt's full blocks, by its own function (and NONE_HASH
-    seed, derived in this process as the engine derives it: same rule, same environment), in
-    the form its events carry them. A salt is the first block's extra key, as vLLM keys it."""
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-
-    hash_fn = get_hash_fn_by_name(hash_algo)
-    if not hasattr(kv_cache_utils, "NONE_HASH"):  # the engine core runs in another process
-        kv_cache_utils.init_none_hash(hash_fn)
-    hashes: list[BlockKey] = []
-    parent = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        extra = (("cache_salt", cache_salt),) if cache_salt and start == 0 else None
-        parent = kv_cache_utils.hash_block_tokens(hash_fn, parent, token_ids[start : start + block_size], extra)
-        hashes.append(kv_cache_utils.maybe_convert_block_hash(parent))
-    return hashes
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, Callable, ClassVar
 
 import ray
 
@@ -17,11 +19,12 @@ from kv_transfer.link_probe import ProbeSource
 from kv_transfer.link_probe import read as read_probe
 from kv_transfer.metrics import serve_metrics
 from kv_transfer.producer import TransferProducer
-from messages.reports import EngineCapacity, EngineLoad, PrefixHit
+from messages.reports import EngineCapacity, EngineLoad, PrefixIndexUpdate
 from messages.requests import ModelLimits
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, EngineWiring, exit_for_restart, start_engine
-from vllm_engine.prefix_index import EngineSockets, EventSubscriber, PrefixIndex, block_hashes
+from vllm_engine.kv_events import EngineSockets, EventSubscriber
+from vllm_engine.prefix_index import BlockHashing, PrefixIndex
 
 
 class EngineWorker:
@@ -48,7 +51,7 @@ class EngineWorker:
         self._transfer = transfer
         self._probe: ProbeSource | None = None
         self._sockets = EngineSockets.private()
-        # Its KV cache events feed the prefix index routers ask (vllm_engine.prefix_index).
+        # Its KV cache events feed the prefix index routers copy (vllm_engine.prefix_index).
         caching = engine_config.enable_prefix_caching
         events_config = self._sockets.kv_events_config() if caching else None
         if transfer is None:
@@ -77,7 +80,7 @@ class EngineWorker:
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
-        self._layout: StateLayout | None = None
+        self._index_changed: asyncio.Event | None = None  # set on the actor's loop, for long polls
         if caching:
             self._prefix_index = PrefixIndex()
             self._subscriber = EventSubscriber(self._sockets, self._prefix_index)
@@ -109,18 +112,34 @@ class EngineWorker:
         )
         return replace(capacity, niceness=os.nice(0))
 
-    async def cached_prefix(
-        self, prompt_token_ids: Sequence[int], state_pulled: bool = False, cache_salt: str = ""
-    ) -> PrefixHit:
-        """What this engine's prefix cache holds of the prompt (nothing with caching off);
-        `state_pulled`: for a decode leg that pulls the prompt's state (PrefixIndex.hit)."""
+    async def prefix_index_spec(self) -> tuple[BlockHashing, StateLayout] | None:
+        """How a router hashes prompts for this engine and reads its index's groups (None with
+        caching off: it holds nothing)."""
         if self._prefix_index is None:
-            return PrefixHit()
-        if self._layout is None:  # fixed for the engine's life: built once, not per request
-            self._layout = await self._engine.state_layout()
-        layout = self._layout
-        hashes = block_hashes(prompt_token_ids, layout.block_size, cache_salt)
-        return self._prefix_index.hit(hashes, len(prompt_token_ids), layout, state_pulled)
+            return None
+        layout = await self._engine.state_layout()
+        return BlockHashing.of_engine(layout.block_size), layout
+
+    async def prefix_index_changes(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
+        """What a router's copy of this engine's prefix index at (`generation`, `version`)
+        lacks; a long poll: waits up to `wait_s` for a change, None if none came."""
+        index = self._prefix_index
+        if index is None:
+            return None
+        if self._index_changed is None:
+            changed = self._index_changed = asyncio.Event()
+            index.on_change(_waker(asyncio.get_running_loop(), changed))
+        deadline = time.monotonic() + wait_s
+        while (update := index.changes_since(generation, version)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            self._index_changed.clear()
+            if (update := index.changes_since(generation, version)) is not None:
+                break  # it changed between the two looks
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._index_changed.wait(), remaining)
+        return update
 
     def prefix_index_blocks(self) -> int:
         """Block hashes the prefix index holds, every KV-cache group counted."""
@@ -181,6 +200,16 @@ class InRayActor(EngineWorker):
 def worker_actor(cls: type) -> Any:
     """`cls` as the Ray actor class every worker role is deployed as."""
     return ray.remote(num_cpus=0, max_concurrency=1000)(cls)
+
+
+def _waker(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> Callable[[], None]:
+    """Sets `changed` on the actor's loop from the thread that records the engine's events."""
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the actor is going
+            loop.call_soon_threadsafe(changed.set)
+
+    return wake
 
 
 def _stat_loggers() -> tuple[type, ...]:
