@@ -15,9 +15,12 @@ blocks alone: the producer's final state replaces any checkpoint.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import pickle
 import threading
+import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
@@ -105,6 +108,7 @@ class PrefixIndex:
         self.version = 0
         self._log: deque[tuple[int, tuple[IndexChange, ...]]] = deque(maxlen=_HISTORY)
         self._listeners: list[Callable[[], None]] = []
+        self._change_event: asyncio.Event | None = None  # on the loop long polls run on
 
     def __len__(self) -> int:
         with self._lock:
@@ -146,6 +150,25 @@ class PrefixIndex:
                     return PrefixIndexUpdate(self.generation, self.version, False, changes)
             held = tuple(IndexChange(group, True, tuple(keys)) for group, keys in self._blocks.items())
             return PrefixIndexUpdate(self.generation, self.version, True, held)
+
+    async def changes_after(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
+        """`changes_since`, waiting up to `wait_s` for a change if there is none yet (a long
+        poll, on the one event loop its callers share: the engine actor's)."""
+        if self._change_event is None:
+            self._change_event = asyncio.Event()
+            self.on_change(_waker(asyncio.get_running_loop(), self._change_event))
+        changed = self._change_event
+        deadline = time.monotonic() + wait_s
+        while (update := self.changes_since(generation, version)) is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            changed.clear()
+            if (update := self.changes_since(generation, version)) is not None:
+                break  # it changed between the two looks
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(changed.wait(), remaining)
+        return update
 
     def follow(self, update: PrefixIndexUpdate) -> None:
         """Apply an update of the index this one copies (from its `changes_since`)."""
@@ -192,3 +215,13 @@ class PrefixIndex:
     def _changed(self) -> None:
         for listener in self._listeners:
             listener()
+
+
+def _waker(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> Callable[[], None]:
+    """Sets `changed` on `loop` from the thread that records the engine's events."""
+
+    def wake() -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: its process is going
+            loop.call_soon_threadsafe(changed.set)
+
+    return wake

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import time
 from dataclasses import replace
@@ -80,7 +78,6 @@ class EngineWorker:
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
-        self._index_changed: asyncio.Event | None = None  # set on the actor's loop, for long polls
         if caching:
             self._prefix_index = PrefixIndex()
             self._subscriber = EventSubscriber(self._sockets, self._prefix_index)
@@ -123,23 +120,9 @@ class EngineWorker:
     async def prefix_index_changes(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
         """What a router's copy of this engine's prefix index at (`generation`, `version`)
         lacks; a long poll: waits up to `wait_s` for a change, None if none came."""
-        index = self._prefix_index
-        if index is None:
+        if self._prefix_index is None:
             return None
-        if self._index_changed is None:
-            changed = self._index_changed = asyncio.Event()
-            index.on_change(_waker(asyncio.get_running_loop(), changed))
-        deadline = time.monotonic() + wait_s
-        while (update := index.changes_since(generation, version)) is None:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return None
-            self._index_changed.clear()
-            if (update := index.changes_since(generation, version)) is not None:
-                break  # it changed between the two looks
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._index_changed.wait(), remaining)
-        return update
+        return await self._prefix_index.changes_after(generation, version, wait_s)
 
     def prefix_index_blocks(self) -> int:
         """Block hashes the prefix index holds, every KV-cache group counted."""
@@ -200,16 +183,6 @@ class InRayActor(EngineWorker):
 def worker_actor(cls: type) -> Any:
     """`cls` as the Ray actor class every worker role is deployed as."""
     return ray.remote(num_cpus=0, max_concurrency=1000)(cls)
-
-
-def _waker(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> Callable[[], None]:
-    """Sets `changed` on the actor's loop from the thread that records the engine's events."""
-
-    def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: the actor is going
-            loop.call_soon_threadsafe(changed.set)
-
-    return wake
 
 
 def _stat_loggers() -> tuple[type, ...]:
