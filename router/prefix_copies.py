@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 _POLL_S = 2.0  # longest one long poll waits for a change
 _RETRY_S = 1.0  # before following again an engine that could not be reached
+_FORGET_S = 60.0  # before dropping the copy of an engine that could not be reached
 
 
 class _Copy:
@@ -86,6 +87,9 @@ class PrefixCopies:
                 if copy is not None:
                     copy.stop()
                 self._copies[member.name] = _Copy(member)
+        # Engines removed from their pool leave copies that stopped: forget them.
+        for name in [n for n, c in self._copies.items() if c.failed_at is not None and now - c.failed_at > _FORGET_S]:
+            del self._copies[name]
 
     async def hits(
         self, members: Sequence[Member], prompt: Sequence[int], cache_salt: str, state_pulled: bool, wait_s: float
