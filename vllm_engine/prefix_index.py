@@ -42,7 +42,8 @@ class BlockHashing:
     the first block); the low 64 bits as an int where vLLM's events carry ints. Computed here
     as vLLM 0.32 computes it (vllm/v1/core/kv_cache_utils.py hash_block_tokens), so that a
     router, which does not load vLLM, hashes a prompt as the engine does;
-    tests/test_prefix_reuse.py checks it against vLLM's own function and the engine's events."""
+    tests/test_prefix_index.py checks it against vLLM's own function, tests/test_prefix_reuse.py
+    against a real engine's events."""
 
     algo: str  # vLLM's prefix_caching_hash_algo: "sha256" (pickle) or "sha256_cbor"
     none_hash: bytes
@@ -50,7 +51,7 @@ class BlockHashing:
     block_size: int
 
     def __post_init__(self) -> None:
-        if self.algo not in ("sha256", "sha256_cbor"):
+        if self.algo not in _SERIALIZERS:
             raise ValueError(
                 f"prefix_caching_hash_algo {self.algo!r}: routers reproduce 'sha256' and 'sha256_cbor' "
                 "(xxhash seeds each engine process at random)"
@@ -70,15 +71,7 @@ class BlockHashing:
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str = "") -> list[BlockKey]:
         """The keys of the prompt's full blocks, in order."""
-        serialize: Callable[[Any], bytes]
-        if self.algo == "sha256":
-            serialize = _pickled
-        else:
-            import cbor2
-
-            def serialize(value: Any) -> bytes:
-                return cbor2.dumps(value, canonical=True)
-
+        serialize = _SERIALIZERS[self.algo]
         keys: list[BlockKey] = []
         parent = self.none_hash
         size = self.block_size
@@ -91,6 +84,16 @@ class BlockHashing:
 
 def _pickled(value: Any) -> bytes:
     return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _cbor(value: Any) -> bytes:
+    import cbor2
+
+    return cbor2.dumps(value, canonical=True)
+
+
+# What vLLM's "sha256" and "sha256_cbor" hash (vllm/utils/hashing.py).
+_SERIALIZERS: dict[str, Callable[[Any], bytes]] = {"sha256": _pickled, "sha256_cbor": _cbor}
 
 
 class PrefixIndex:
@@ -107,16 +110,12 @@ class PrefixIndex:
         self.generation = uuid.uuid4().hex
         self.version = 0
         self._log: deque[tuple[int, tuple[IndexChange, ...]]] = deque(maxlen=_HISTORY)
-        self._listeners: list[Callable[[], None]] = []
-        self._change_event: asyncio.Event | None = None  # on the loop long polls run on
+        # Long polls wait on this event, on their (the actor's) loop; the recording thread sets it.
+        self._change: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
 
     def __len__(self) -> int:
         with self._lock:
             return sum(len(blocks) for blocks in self._blocks.values())
-
-    def on_change(self, listener: Callable[[], None]) -> None:
-        """Call `listener` (on the recording thread) after each change."""
-        self._listeners.append(listener)
 
     def record(self, changes: Sequence[IndexChange | None]) -> None:
         """One batch of the engine's events, in order; None: every block was cleared."""
@@ -154,10 +153,9 @@ class PrefixIndex:
     async def changes_after(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
         """`changes_since`, waiting up to `wait_s` for a change if there is none yet (a long
         poll, on the one event loop its callers share: the engine actor's)."""
-        if self._change_event is None:
-            self._change_event = asyncio.Event()
-            self.on_change(_waker(asyncio.get_running_loop(), self._change_event))
-        changed = self._change_event
+        if self._change is None:
+            self._change = (asyncio.get_running_loop(), asyncio.Event())
+        changed = self._change[1]
         deadline = time.monotonic() + wait_s
         while (update := self.changes_since(generation, version)) is None:
             remaining = deadline - time.monotonic()
@@ -213,15 +211,7 @@ class PrefixIndex:
         self.generation, self.version = uuid.uuid4().hex, 0
 
     def _changed(self) -> None:
-        for listener in self._listeners:
-            listener()
-
-
-def _waker(loop: asyncio.AbstractEventLoop, changed: asyncio.Event) -> Callable[[], None]:
-    """Sets `changed` on `loop` from the thread that records the engine's events."""
-
-    def wake() -> None:
-        with contextlib.suppress(RuntimeError):  # the loop closed: its process is going
-            loop.call_soon_threadsafe(changed.set)
-
-    return wake
+        if self._change is not None:
+            loop, changed = self._change
+            with contextlib.suppress(RuntimeError):  # the loop closed: its process is going
+                loop.call_soon_threadsafe(changed.set)
