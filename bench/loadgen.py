@@ -117,6 +117,7 @@ class RequestRecord:
     error: str  # gRPC status name; "" when the stream ended normally
     cached_tokens: int = 0  # prompt tokens the prefilling engine found in its prefix cache
     handle_bytes: int = 0  # attention KV + DeltaNet state the prefill engine offered decode
+    text: str = ""  # the output's text (the OpenAI front only): a conversation sends it back
 
     @property
     def completed(self) -> bool:
@@ -282,7 +283,7 @@ async def _send_http(
             "request_id": f"{run_id}-{spec.index}"}  # fmt: skip
     sent = time.perf_counter()
     times: list[float] = []
-    finish, error, cached = "", "", 0
+    finish, error, cached, text = "", "", 0, []
     try:
         timeout = httpx.Timeout(max(deadline - sent, 1e-3))
         async with target.client.stream("POST", f"{target.base_url}/v1/completions", json=body, timeout=timeout) as r:
@@ -296,6 +297,7 @@ async def _send_http(
                     for choice in event["choices"]:
                         tokens = len((choice.get("logprobs") or {}).get("tokens", ()))
                         times.extend([time.perf_counter() - sent] * tokens)
+                        text.append(choice.get("text") or "")
                         finish = choice["finish_reason"] or finish
                     details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
                     cached = details.get("cached_tokens") or cached
@@ -306,7 +308,7 @@ async def _send_http(
     end = time.perf_counter() - sent
     return RequestRecord(
         spec.index, spec.prompt_tokens, spec.output_tokens, spec.arrival_s, sent - started, tuple(times), end,
-        finish, error, cached,
+        finish, error, cached, text="".join(text),
     )  # fmt: skip
 
 

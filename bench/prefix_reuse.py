@@ -7,28 +7,32 @@ request by Zipf popularity (`--zipf`), each followed by a fresh `--question-toke
 `--output-tokens` out. Systems (`--systems`), one up at a time (an idle engine still costs CPU
 here), each given both cores:
 - pdserve colocated (2 engines), routing by where prefixes are cached, and blind to it;
-- pdserve 1P+1D, cache-aware, and with prefix caching off;
+- pdserve 1P+1D, cache-aware; with its decode engine prefilling what it lacks <= 512 tokens
+  of (conditional disaggregation); and with prefix caching off;
 - two stock vLLM OpenAI servers with prefix caching, one per core, behind SMG (`smg launch`,
   the gateway a vLLM user would pick) with its `cache_aware` policy, and with `round_robin`.
 pdserve's engines are compiled like the stock servers' (`--pdserve-eager`: its CPU default).
 Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, and the share of
 prompt tokens served from a prefix cache (each server's own count, OpenAI usage
 `prompt_tokens_details.cached_tokens`), and for pdserve the share of requests whose hit its
-engines' prefix indexes predicted within 5% (issue target >= 95%); then each rate's TTFT p50 ratios of pdserve
-cache-aware to cache-blind (issue target <= 0.4) and to the best stock setup (<= 1.0), and
-goodput ratios. Plotted: TTFT CDFs and goodput per rate beside the JSON. SMG is not in
-pdserve's environment: `pip install smg` into a virtual environment of its own and pass
-`--smg PATH` (default: `smg` on PATH).
+engines' prefix indexes predicted within 5% (issue target >= 95%); then each rate's TTFT p50
+ratios of pdserve cache-aware to cache-blind (issue target <= 0.4) and to the best stock setup
+(<= 1.0), and goodput ratios; and each system's highest rate keeping >= 90% of requests in SLO.
+Plotted: TTFT CDFs and goodput per rate beside the JSON. SMG is not in pdserve's environment:
+`pip install smg` into a virtual environment of its own and pass `--smg PATH` (default: `smg`
+on PATH).
 
 `--trace chat`: conversations instead (ChatTrace: a shared system prompt, 4-8 turns, each turn
-sending the history with the model's actual answers), on 1 prefill + 2 decode engines behind
-pdserve's gRPC front in this process, where the choice is which decode engine holds the
-conversation; reported per system and rate: later turns' TTFT p50/p90, their cached share, and
-the bytes NIXL moved into the decode engines per later turn against their handles (target
-<= 0.3).
+sending the history with the server's actual answers, as text), through the same systems and
+the same report, with later turns' TTFT beside every turn's. `--trace chat-handoff`: the same
+conversations on 1 prefill + 2 decode engines behind pdserve's gRPC front in this process,
+where the choice is which decode engine holds the conversation; reported per system and rate:
+later turns' TTFT p50/p90, their cached share, and the bytes NIXL moved into the decode engines
+per later turn against what handing off their whole prompts moves (target <= 0.3).
 
     python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--smg PATH]
-    python -m bench.prefix_reuse --trace chat [--rate 0.5 1]
+    python -m bench.prefix_reuse --trace chat [--rate 0.5 1] [--smg PATH]
+    python -m bench.prefix_reuse --trace chat-handoff [--rate 0.5 1]
 """
 
 from __future__ import annotations
@@ -45,20 +49,24 @@ import re
 import shutil
 import sys
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
 
 from bench.loadgen import (
     TOKEN_ID_RANGE,
     HTTPTarget,
     _pyplot,
     _save,
+    _send_http,
+    RequestRecord,
     RunReport,
     add_load_args,
     format_row,
@@ -68,6 +76,7 @@ from bench.loadgen import (
     plot_goodput,
     poisson_arrivals,
     run_workload,
+    summarize,
     warm_up,
     write_json,
 )
@@ -93,6 +102,7 @@ class RagTrace:
     output_tokens: int = 50
     zipf: float = 1.1  # popularity of document k is proportional to 1 / k**zipf
     seed: int = 0
+    unit: ClassVar[str] = "req/s"  # what a rate counts
 
     def requests(self, rate: float, count: int) -> tuple[list[RequestSpec], list[list[int]]]:
         """The same documents and draws at every rate; only the arrivals stretch."""
@@ -122,6 +132,7 @@ class MooncakeTrace:
     path: Path
     block_tokens: int = 512
     seed: int = 0
+    unit: ClassVar[str] = "req/s"
 
     def requests(self, rate: float, count: int) -> tuple[list[RequestSpec], list[list[int]]]:
         with open(self.path) as lines:
@@ -162,6 +173,16 @@ class ChatTrace:
     output_tokens: int = 50
     think_s: float = 1.0
     seed: int = 0
+    unit: ClassVar[str] = "conv/s"
+
+    @property
+    def description(self) -> str:
+        return (
+            f"chat: {self.conversations} conversations of {self.turns[0]}-{self.turns[1]} turns, a shared "
+            f"{self.system_tokens}-token system prompt, {self.first_tokens}-token first and "
+            f"{self.question_tokens}-token later messages, {self.output_tokens} tokens out, "
+            f"{self.think_s:g} s between turns"
+        )
 
     def plan(self, rate: float) -> list[tuple[float, list[list[int]]]]:
         """(start, each turn's new user tokens, the shared system prompt first) per conversation."""
@@ -175,6 +196,9 @@ class ChatTrace:
             users += [[ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.question_tokens)] for _ in range(turns - 1)]
             plans.append((start, users))
         return plans
+
+
+Trace = RagTrace | MooncakeTrace | ChatTrace
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,6 +250,51 @@ async def run_chat(channel: Any, trace: ChatTrace, rate: float, label: str) -> l
     plans = trace.plan(rate)
     done = await asyncio.gather(*(conversation(i, start, users) for i, (start, users) in enumerate(plans)))
     return [turn for turns in done for turn in turns]
+
+
+# A conversation's turns in one run of `run_conversations`: request index = conversation *
+# TURN_STRIDE + turn (ChatTrace.turns stays below it).
+TURN_STRIDE = 100
+
+
+async def run_conversations(
+    target: HTTPTarget, trace: ChatTrace, rate: float, config: LoadConfig, label: str, model: str
+) -> RunReport:
+    """The chat trace through an OpenAI front, as text: each turn sends the history (earlier
+    prompts and the answers this server gave) and the next user message, as a chat client
+    does. Every turn is a record, so TTFT, goodput and the SLO count turns."""
+    tokenizer = _tokenizer(model)
+    plans = trace.plan(rate)
+    run_id = f"chat-{uuid.uuid4().hex[:8]}"
+    started = time.perf_counter()
+    deadline = started + config.time_limit_s
+    total = sum(len(users) for _, users in plans)
+
+    async def conversation(number: int, start: float, users: list[list[int]], bar: tqdm) -> list[RequestRecord]:
+        await asyncio.sleep(start)
+        history, records = "", []
+        for turn, user in enumerate(users):
+            prompt = history + tokenizer.decode(user)
+            tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+            spec = RequestSpec(number * TURN_STRIDE + turn, time.perf_counter() - started, tokens, trace.output_tokens)
+            records.append(await _send_http(target, spec, prompt, run_id, started, deadline))
+            bar.update()
+            if not records[-1].completed:  # the rest of the conversation has no history to send
+                bar.update(len(users) - turn - 1)
+                break
+            history = prompt + records[-1].text
+            await asyncio.sleep(trace.think_s)
+        return records
+
+    with tqdm(total=total, desc=label, unit="turn", file=sys.stderr, disable=not config.progress) as bar:
+        done = await asyncio.gather(*(conversation(i, t, users, bar) for i, (t, users) in enumerate(plans)))
+    records = [record for turns in done for record in turns]
+    return RunReport(label, rate, config.slo, summarize(records, config.slo), records)
+
+
+def later_turns(report: RunReport) -> LatencySummary:
+    """TTFT of the turns after each conversation's first (`run_conversations`' records)."""
+    return LatencySummary.of([r.token_times_s[0] for r in report.requests if r.completed and r.index % TURN_STRIDE > 0])
 
 
 @dataclass(frozen=True, slots=True)
@@ -327,12 +396,17 @@ class Row:
     # Requests whose engine's prefix index predicted its hit within 5% (pdserve's router
     # metric; None where the system has no index or no request asked it).
     index_within_5pct: float | None = None
+    unit: str = "req/s"  # what `rate` counts
+    # Conversations: TTFT of the turns after each one's first, which can reuse its history.
+    later_ttft_p50_ms: float | None = None
+    later_ttft_p90_ms: float | None = None
 
     @classmethod
-    def of(cls, system: str, report: RunReport, index_within_5pct: float | None = None) -> "Row":
+    def of(cls, system: str, report: RunReport, index_within_5pct: float | None, trace: Trace) -> "Row":
         s = report.summary
         done = [r for r in report.requests if r.completed]
         prompt = sum(r.prompt_tokens for r in done)
+        later = later_turns(report) if isinstance(trace, ChatTrace) else LatencySummary.of([])
         return cls(
             system=system,
             rate=report.rate or 0.0,
@@ -343,16 +417,22 @@ class Row:
             slo_attainment=s.slo_attainment,
             cached_share=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
             index_within_5pct=index_within_5pct,
+            unit=trace.unit,
+            later_ttft_p50_ms=_ms(later.p50),
+            later_ttft_p90_ms=_ms(later.p90),
         )
 
     def line(self) -> str:
         return (
-            f"{self.system:<34} {self.rate:>4g} req/s"
+            f"{self.system:<34} {self.rate:>4g} {self.unit}"
             f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
-            f" | ITL p90 {_fmt(self.itl_p90_ms)} ms | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
+            + ("" if self.later_ttft_p50_ms is None else
+               f" (later turns {_fmt(self.later_ttft_p50_ms)}/{_fmt(self.later_ttft_p90_ms)} ms)")
+            + f" | ITL p90 {_fmt(self.itl_p90_ms)} ms"
+            f" | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
             f" | cached {self.cached_share:.0%}"
             + ("" if self.index_within_5pct is None else f" | index within 5%: {self.index_within_5pct:.0%}")
-        )
+        )  # fmt: skip
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -405,10 +485,13 @@ class Served:
     smg_policy: str | None = None
 
 
-RAG_SYSTEMS = {
+SERVED_SYSTEMS = {
     "aware": Served("pdserve colocated, cache-aware", flags="--cache-aware"),
     "blind": Served("pdserve colocated, cache-blind", flags="--no-cache-aware"),
     "aware-1p1d": Served("pdserve 1P+1D, cache-aware", 1, 1, "--cache-aware"),
+    # Conditional disaggregation: a prompt its decode engine lacks at most 512 tokens of
+    # (a later chat turn there) is prefilled there, and moves nothing.
+    "local-1p1d": Served("pdserve 1P+1D, decode prefills <= 512", 1, 1, "--cache-aware --local-prefill-uncached 512"),
     "off-1p1d": Served("pdserve 1P+1D, caching off", 1, 1, "--no-enable-prefix-caching"),
     "smg-aware": Served("stock vLLM x2, SMG cache_aware", smg_policy="cache_aware"),
     "smg-rr": Served("stock vLLM x2, SMG round_robin", smg_policy="round_robin"),
@@ -497,7 +580,11 @@ def _within_5pct(before: dict[str, float], after: dict[str, float]) -> float | N
 
 
 async def run_served(
-    served: Served, endpoint: Endpoint, trace: RagTrace | MooncakeTrace, rates: list[float], args: argparse.Namespace
+    served: Served,
+    endpoint: Endpoint,
+    trace: Trace,
+    rates: list[float],
+    args: argparse.Namespace,
 ) -> list[tuple[RunReport, float | None]]:
     """Each rate's report, and the share of its requests whose hit pdserve's index predicted
     within 5% (None for stock systems)."""
@@ -509,12 +596,15 @@ async def run_served(
         await _warm_up(target, config, model)
         runs = []
         for rate in rates:
-            specs, prompts = trace.requests(rate, config.num_requests)
-            texts, lengths = text_prompts(prompts, model)
-            specs = [dataclasses.replace(spec, prompt_tokens=n) for spec, n in zip(specs, lengths)]
-            label = f"{served.label} {rate:g} req/s"
+            label = f"{served.label} {rate:g} {trace.unit}"
             before = await _predictions(client, endpoint.metrics_url)
-            report = await run_workload(target, specs, config, label, rate, prompts=texts)
+            if isinstance(trace, ChatTrace):
+                report = await run_conversations(target, trace, rate, config, label, model)
+            else:
+                specs, prompts = trace.requests(rate, config.num_requests)
+                texts, lengths = text_prompts(prompts, model)
+                specs = [dataclasses.replace(spec, prompt_tokens=n) for spec, n in zip(specs, lengths)]
+                report = await run_workload(target, specs, config, label, rate, prompts=texts)
             runs.append((report, _within_5pct(before, await _predictions(client, endpoint.metrics_url))))
             print(format_row(report), file=sys.stderr, flush=True)
         return runs
@@ -523,13 +613,13 @@ async def run_served(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="embedded")
-    parser.add_argument("--trace", choices=["rag", "chat", "mooncake"], default="rag")
+    parser.add_argument("--trace", choices=["rag", "chat", "chat-handoff", "mooncake"], default="rag")
     parser.add_argument("--trace-file", type=Path, help="--trace mooncake: the JSONL trace to replay")
     parser.add_argument(
         "--rate",
         type=float,
         nargs="+",
-        help="Poisson rates: requests/s (rag, default 1 2), conversations/s (chat, 0.5 1)",
+        help="Poisson rates: requests/s (rag, mooncake: default 1 2 4), conversations/s (chat: 0.5 1)",
     )
     defaults = RagTrace()
     parser.add_argument("--documents", type=int, default=defaults.documents)
@@ -544,24 +634,28 @@ def main(argv: list[str] | None = None) -> int:
         help="per engine, e.g. 48MiB: below the documents' size, routing decides which engine keeps which",
     )
     parser.add_argument(
-        "--systems", nargs="+", choices=list(RAG_SYSTEMS), default=list(RAG_SYSTEMS), help="RAG systems, in turn"
+        "--systems", nargs="+", choices=list(SERVED_SYSTEMS), default=list(SERVED_SYSTEMS), help="systems, in turn"
     )
     parser.add_argument("--smg", default=shutil.which("smg") or "smg", help="SMG's command (pip install smg)")
     parser.add_argument("--pdserve-eager", action="store_true", help="pdserve's CPU default (eager), not compiled")
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
-    if args.trace == "chat":
+    if args.trace == "chat-handoff":
         start_local()
-        return _chat(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
-    chosen = {key: RAG_SYSTEMS[key] for key in args.systems}
+        return _chat_handoff(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
+    chosen = {key: SERVED_SYSTEMS[key] for key in args.systems}
     if any(s.smg_policy for s in chosen.values()) and not shutil.which(args.smg):
         parser.error(f"--smg {args.smg}: not found; pip install smg (a virtual environment of its own will do)")
+    trace: Trace
     if args.trace == "mooncake":
         if args.trace_file is None:
             parser.error("--trace mooncake needs --trace-file (Mooncake's JSONL format)")
-        trace: RagTrace | MooncakeTrace = MooncakeTrace(args.trace_file, seed=args.seed)
+        trace = MooncakeTrace(args.trace_file, seed=args.seed)
         shape = f"Mooncake trace {args.trace_file} (512-token blocks as seeded token ids, as text)"
+    elif args.trace == "chat":
+        trace = ChatTrace(seed=args.seed)
+        shape = trace.description
     else:
         trace = RagTrace(
             args.documents, args.document_tokens, args.question_tokens, args.output_tokens, args.zipf, args.seed
@@ -570,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             f"RAG: {trace.documents} documents of {trace.document_tokens} token ids as text (Zipf {trace.zipf}), "
             f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out"
         )
-    args.rate = args.rate or [1.0, 2.0, 4.0]
+    args.rate = args.rate or ([0.5, 1.0] if isinstance(trace, ChatTrace) else [1.0, 2.0, 4.0])
     series: dict[str, list[RunReport]] = {}
     rows: list[Row] = []
     for served in chosen.values():
@@ -578,43 +672,45 @@ def main(argv: list[str] | None = None) -> int:
         with serving(served, args) as endpoint:
             runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
         series[served.label] = [report for report, _ in runs]
-        rows += [Row.of(served.label, report, within) for report, within in runs]
+        rows += [Row.of(served.label, report, within, trace) for report, within in runs]
     write_json(args.out, {"trace": shape, "rows": [asdict(r) for r in rows]})
     plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
     plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))
-    print(
-        f"{shape}, {args.num_requests} requests per rate; "
-        f"SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms"
-    )
+    counted = "" if isinstance(trace, ChatTrace) else f", {args.num_requests} requests per rate"
+    print(f"{shape}{counted}; SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms")
     for row in rows:
         print(row.line())
-    _print_ratios(series, chosen)
+    _print_ratios(series, chosen, trace.unit)
     print(f"results: {args.out}")
     return 0
 
 
-def _print_ratios(series: dict[str, list[RunReport]], chosen: dict[str, Served]) -> None:
-    """Per rate: pdserve cache-aware against cache-blind and against the best stock setup."""
+def _print_ratios(series: dict[str, list[RunReport]], chosen: dict[str, Served], unit: str) -> None:
+    """Per rate: pdserve cache-aware against cache-blind and against the best stock setup;
+    then each system's highest rate keeping >= 90% of requests in SLO."""
     labels = {key: served.label for key, served in chosen.items()}
     stock = [series[label] for key, label in labels.items() if key.startswith("smg")]
-    for key in ("aware", "aware-1p1d"):
+    for key in ("aware", "aware-1p1d", "local-1p1d"):
         if key not in labels:
             continue
         for i, mine in enumerate(series[labels[key]]):
-            parts = [f"{labels[key]} at {mine.rate:g} req/s: TTFT p50"]
+            parts = [f"{labels[key]} at {mine.rate:g} {unit}: TTFT p50"]
             if key == "aware" and "blind" in labels:  # the same colocated engines, routed blind
                 parts.append(f"/ cache-blind {_ratio(mine, series[labels['blind']][i]):.2f}x (target <= 0.4)")
             if stock:
                 best = min((runs[i] for runs in stock), key=lambda r: r.summary.ttft_s.p50 or float("inf"))
-                goodput = mine.summary.goodput_rps / max(best.summary.goodput_rps, 1e-9)
+                goodput = mine.summary.goodput_rps / max(max(runs[i].summary.goodput_rps for runs in stock), 1e-9)
                 parts.append(
                     f"/ best stock ({best.label.rsplit(' ', 2)[0]}) {_ratio(mine, best):.2f}x (target <= 1.0); "
-                    f"goodput / its {goodput:.2f}x (target >= 1.0)"
+                    f"goodput / the best stock goodput {goodput:.2f}x (target >= 1.0)"
                 )
             print(" ".join(parts))
+    for label, runs in series.items():
+        kept = [r.rate for r in runs if r.rate is not None and r.summary.slo_attainment >= 0.9]
+        print(f"{label}: highest rate with >= 90% in SLO: {f'{max(kept):g} {unit}' if kept else 'none of those run'}")
 
 
-def _chat(model: str, trace: ChatTrace, rates: list[float], args: argparse.Namespace) -> int:
+def _chat_handoff(model: str, trace: ChatTrace, rates: list[float], args: argparse.Namespace) -> int:
     rows: list[ChatRow] = []
     for system in CHAT_SYSTEMS:
         print(f"== {system.label}", file=sys.stderr, flush=True)
@@ -622,12 +718,7 @@ def _chat(model: str, trace: ChatTrace, rates: list[float], args: argparse.Names
     out = args.out.with_name(f"{args.out.stem}_chat.json")
     write_json(out, {"trace": asdict(trace), "rows": [asdict(r) for r in rows]})
     _plot_chat(rows, out.with_suffix(".png"))
-    print(
-        f"chat: {trace.conversations} conversations of {trace.turns[0]}-{trace.turns[1]} turns, a shared "
-        f"{trace.system_tokens}-token system prompt, {trace.first_tokens}-token first and "
-        f"{trace.question_tokens}-token later messages, {trace.output_tokens} tokens out, "
-        f"{trace.think_s:g} s between turns"
-    )
+    print(trace.description)
     for row in rows:
         print(row.line())
     by = {(r.system, r.rate): r for r in rows}

@@ -20,6 +20,7 @@ from bench.loadgen import (
     TOKEN_ID_RANGE,
     LoadConfig,
     RequestRecord,
+    RunReport,
     parse_trace,
     poisson_arrivals,
     prompt_ids,
@@ -267,6 +268,41 @@ def test_the_openai_front_takes_the_same_load(server):
     assert [(r.error, r.finish_reason) for r in report.requests] == [("", "length")] * 3
     assert all(r.completed and r.token_times_s[0] > 0 for r in report.requests)
     assert report.summary.completed == 3
+
+
+def test_conversations_send_back_the_servers_answers(server, model_path):
+    """bench.prefix_reuse's chat trace over the OpenAI front: each turn sends the previous
+    prompt, the answer this server streamed, then the next message; every turn is a record,
+    and the turns after the first reuse the history from the prefix cache."""
+    import httpx
+
+    from bench.loadgen import HTTPTarget
+    from bench.prefix_reuse import TURN_STRIDE, ChatTrace, later_turns, run_conversations
+
+    _, loop, http = server
+    trace = ChatTrace(2, (3, 3), system_tokens=300, first_tokens=40, question_tokens=20, output_tokens=8, think_s=0)
+    config = LoadConfig(num_requests=1, time_limit_s=120, warmup=0, progress=False)
+    sent: list[dict] = []
+
+    async def record(request: httpx.Request) -> None:
+        sent.append(json.loads(request.content))
+
+    async def run() -> RunReport:
+        async with httpx.AsyncClient(event_hooks={"request": [record]}) as client:
+            target = HTTPTarget(client, f"http://{http.address}", "loadgen")
+            return await run_conversations(target, trace, 4.0, config, "chat", model_path)
+
+    report = asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=240)
+    by_index = {r.index: r for r in report.requests}
+    assert sorted(by_index) == [c * TURN_STRIDE + t for c in range(2) for t in range(3)]
+    assert all(r.completed and r.text for r in report.requests)
+    prompts = {body["request_id"].rsplit("-", 1)[1]: body["prompt"] for body in sent}
+    for c in range(2):
+        for t in (1, 2):
+            earlier, answer = prompts[str(c * TURN_STRIDE + t - 1)], by_index[c * TURN_STRIDE + t - 1].text
+            assert prompts[str(c * TURN_STRIDE + t)].startswith(earlier + answer)
+            assert by_index[c * TURN_STRIDE + t].cached_tokens >= 256  # at least the system prompt's block
+    assert later_turns(report).p50 is not None and report.summary.completed == 6
 
 
 def _has_matplotlib() -> bool:
