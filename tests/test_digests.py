@@ -58,3 +58,30 @@ def test_a_part_that_is_not_whole_64_bit_words_is_marked_so_decode_leaves_it_unc
     (digest,) = block_digests([(conv,)], [1], BLOCKS)
     assert not digest.aligned and digest.nbytes == 30
     assert not (digest + block_digests([_state()], [1], BLOCKS)[0]).aligned
+
+
+def _one_block_at_a_time(caches, block_ids, num_blocks):
+    """The definition, block by block, on a contiguous copy of each block's bytes: the known
+    answer for `block_digests`, which sums over views of the cache in place."""
+    totals = [Digest(0, 0, 0)] * len(block_ids)
+    for cache in caches:
+        for tensor in cache if isinstance(cache, tuple) else (cache,):
+            dim = 0 if isinstance(cache, tuple) else [d for d in (0, 1) if tensor.shape[d] == num_blocks][0]
+            for i, block in enumerate(block_ids):
+                view = tensor.select(dim, block)
+                raw = view.contiguous().view(torch.uint8).flatten()
+                aligned = raw.numel() % 8 == 0 and (view.shape[-1] * view.element_size()) % 8 == 0
+                words64 = int(raw.view(torch.int64).sum()) % 2**64 if aligned else 0
+                words16 = int(raw.view(torch.int16).to(torch.int64).sum()) % 2**16
+                totals[i] = totals[i] + Digest(words64, words16, raw.numel(), aligned)
+    return totals
+
+
+@pytest.mark.parametrize("ids", [[0], [5, 2, 3], list(range(BLOCKS))])
+def test_sums_over_views_equal_the_definition_on_copies(ids):
+    blocks_second = _attention()
+    blocks_first = _attention().transpose(0, 1).contiguous()
+    fp8_like = torch.randint(0, 255, (BLOCKS, 4, 8), dtype=torch.uint8)
+    unaligned = torch.randn(BLOCKS, 5, 3, dtype=torch.bfloat16)
+    caches = [blocks_second, blocks_first, _state(), (fp8_like,), (unaligned,)]
+    assert block_digests(caches, ids, BLOCKS) == _one_block_at_a_time(caches, ids, BLOCKS)
