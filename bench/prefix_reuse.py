@@ -80,7 +80,7 @@ from bench.loadgen import (
     warm_up,
     write_json,
 )
-from bench.vs_vllm import MODEL_NAME, _free_port, _System, pdserve, stock_vllm
+from bench.vs_vllm import MODEL_NAME, PortTakenError, _free_port, _System, pdserve, stock_vllm
 from cluster.ray_cluster import start_local
 from configuration.parsers import parse_bytes
 from controller.deployment import DeploymentConfig
@@ -512,11 +512,18 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[Endpoint]:
     try:
         kv_cache_bytes = args.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES
         if served.smg_policy is None:
-            metrics_port = _free_port()
-            flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes} --metrics-port {metrics_port}"
-            system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
-            started.append(system)
-            system.wait_ready(timeout_s=600)
+            for attempt in (1, 2):  # its ports are picked free, then bound later: another may take one
+                metrics_port = _free_port()
+                flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes} --metrics-port {metrics_port}"
+                system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
+                started.append(system)
+                try:
+                    system.wait_ready(timeout_s=600)
+                    break
+                except PortTakenError as err:
+                    if attempt == 2:
+                        raise
+                    print(f"{err}: a port was taken meanwhile; starting again on others", file=sys.stderr)
             yield Endpoint(system.urls[0], f"http://127.0.0.1:{metrics_port}/metrics")
             return
         cores = sorted(os.sched_getaffinity(0))[:2]

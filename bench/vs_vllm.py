@@ -59,6 +59,10 @@ class RatePoint:
     slo_attainment: float
 
 
+class PortTakenError(RuntimeError):
+    """A port `_free_port` found free was taken before the server bound it."""
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -101,7 +105,9 @@ class _System:
         for url in self.urls:
             while True:
                 if any(p.poll() is not None for p in self._processes):
-                    raise RuntimeError(f"{self.name} exited during start-up: see {self._log.name}")
+                    taken = "Address already in use" in Path(self._log.name).read_text(errors="replace")
+                    error = PortTakenError if taken else RuntimeError
+                    raise error(f"{self.name} exited during start-up: see {self._log.name}")
                 try:
                     if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                         break

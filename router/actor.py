@@ -67,8 +67,7 @@ class RouterActor:
         self._http: Any = None
 
     async def serve(self) -> RouterAddresses:
-        from prometheus_client import start_http_server
-
+        from router.metrics import serve_metrics
         from router.mirror import ControllerMirror
         from router.server import RouterServer
         from vllm_engine.config import resolve_model
@@ -107,8 +106,7 @@ class RouterActor:
             await self._http.start()
             http = self._http.address
         if s.metrics_port:
-            server, _ = start_http_server(s.metrics_port, addr=s.metrics_host)
-            metrics = f"{s.metrics_host}:{server.server_port}"
+            metrics = serve_metrics(s.metrics_host, s.metrics_port)
         await controller.register_router.remote(self._name, metrics)
         return RouterAddresses(self._server.address, http, metrics)
 

@@ -173,3 +173,14 @@ def observe_pool(pool: Pool) -> None:
         HELD.labels(*labels).set(member.load.held_for_transfer)
         BLOCKS_USED.labels(*labels).set(member.load.total_blocks - member.load.free_blocks)
         BLOCKS_TOTAL.labels(*labels).set(member.load.total_blocks)
+
+
+def serve_metrics(host: str, port: int) -> str:
+    """Serve this process's metrics over HTTP at `host`:`port`; the address it listens on."""
+    from prometheus_client import start_http_server
+
+    try:
+        server, _ = start_http_server(port, addr=host)
+    except OSError as err:  # the bare error names no address
+        raise OSError(err.errno, f"metrics {host}:{port}: {err.strerror}; free that port or pick another") from None
+    return f"{host}:{server.server_port}"

@@ -532,7 +532,11 @@ def _reusable_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(address)
+    try:
+        sock.bind(address)
+    except OSError as err:  # the bare error names no address
+        sock.close()
+        raise OSError(err.errno, f"HTTP front {host}:{port}: {err.strerror}; free that port or pick another") from None
     return sock
 
 

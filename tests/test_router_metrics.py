@@ -1,7 +1,10 @@
 """The router's batch-observed inter-token histogram exports exactly what prometheus_client's
 own Histogram does for the same values (bucket edges included: a value equal to a bound
-counts in that bucket)."""
+counts in that bucket); a taken port is named."""
 
+import socket
+
+import pytest
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
 
@@ -28,3 +31,18 @@ def test_gap_histogram_matches_prometheus_histogram():
     theirs = lines(generate_latest(registry).decode(), "ref_seconds")
     assert len(ours) == len(metrics._SECONDS) + 3  # every bucket, +Inf, count, sum
     assert ours == theirs
+
+
+def test_a_taken_port_is_named_for_the_metrics_endpoint_and_the_http_front():
+    """`pdserve serve` prints these: the bare OSError names no address."""
+    from router.metrics import serve_metrics
+    from router.openai_http import _reusable_socket
+
+    with socket.socket() as taken:  # no SO_REUSEPORT: nobody may share it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=rf"metrics 127.0.0.1:{port}: .*pick another"):
+            serve_metrics("127.0.0.1", port)
+        with pytest.raises(OSError, match=rf"HTTP front 127.0.0.1:{port}: .*pick another"):
+            _reusable_socket("127.0.0.1", port)
