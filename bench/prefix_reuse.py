@@ -127,12 +127,35 @@ class MooncakeTrace:
     request, {"timestamp": ms, "input_length": N, "output_length": M, "hash_ids": [...]}, each
     hash id one `block_tokens` block of the prompt, shared by every request naming it. Replayed
     as synthetic tokens: each id becomes seeded token ids, a prompt is its blocks cut to
-    input_length; arrivals keep the trace's pattern, stretched to the asked mean rate."""
+    input_length; arrivals keep the trace's pattern, stretched to the asked mean rate.
+
+    Production traces outgrow a small box (Mooncake's conversation trace averages 12k tokens),
+    so a replay may shrink them without changing who shares what: each id becomes
+    `replay_block_tokens` tokens (lengths scale with it), prompts keep their first `max_blocks`
+    ids (a shared prefix is shared from the start, so cutting the tail keeps every share), and
+    outputs stop at `max_output_tokens`."""
 
     path: Path
     block_tokens: int = 512
+    replay_block_tokens: int | None = None  # None: the trace's own block_tokens
+    max_blocks: int | None = None
+    max_output_tokens: int | None = None
     seed: int = 0
     unit: ClassVar[str] = "req/s"
+
+    def __post_init__(self) -> None:
+        for name in ("replay_block_tokens", "max_blocks", "max_output_tokens"):
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"MooncakeTrace.{name} must be >= 1 (or None for the trace's own), got {value}")
+
+    @property
+    def description(self) -> str:
+        size = self.replay_block_tokens or self.block_tokens
+        scaled = f" (the trace's {self.block_tokens} scaled)" if size != self.block_tokens else ""
+        cuts = [f"{size}-token blocks{scaled}"]
+        cuts += [f"the first {self.max_blocks} blocks"] if self.max_blocks else []
+        cuts += [f"<= {self.max_output_tokens} tokens out"] if self.max_output_tokens else []
+        return f"Mooncake trace {self.path}: {', '.join(cuts)}, as seeded token ids sent as text"
 
     def requests(self, rate: float, count: int) -> tuple[list[RequestSpec], list[list[int]]]:
         with open(self.path) as lines:
@@ -141,21 +164,24 @@ class MooncakeTrace:
             raise ValueError(f"{self.path}: a trace needs two or more rows")
         start, span = rows[0]["timestamp"], (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1e3
         stretch = (len(rows) / span) / rate if span > 0 else 0.0  # the trace's own rate over the asked one
+        size = self.replay_block_tokens or self.block_tokens
         blocks: dict[int, list[int]] = {}
         specs, prompts = [], []
         for i, row in enumerate(rows):
-            tokens = [t for h in row["hash_ids"] for t in blocks.setdefault(h, self._block(h))]
-            prompt = tokens[: row["input_length"]]
-            if len(prompt) < row["input_length"]:
+            if row["input_length"] > len(row["hash_ids"]) * self.block_tokens:
                 raise ValueError(f"{self.path}: row {i} has {row['input_length']} input tokens but fewer in its blocks")
+            kept = row["hash_ids"][: self.max_blocks]
+            tokens = [t for h in kept for t in blocks.setdefault(h, self._block(h, size))]
+            prompt = tokens[: -(-row["input_length"] * size // self.block_tokens)]  # scaled, rounded up
+            output = min(row["output_length"], self.max_output_tokens or row["output_length"])
             arrival = (row["timestamp"] - start) / 1e3 * stretch
-            specs.append(RequestSpec(i, arrival, len(prompt), row["output_length"]))
+            specs.append(RequestSpec(i, arrival, len(prompt), output))
             prompts.append(prompt)
         return specs, prompts
 
-    def _block(self, hash_id: int) -> list[int]:
+    def _block(self, hash_id: int, size: int) -> list[int]:
         ids = random.Random(f"mooncake-{self.seed}-{hash_id}")
-        return [ids.randrange(*TOKEN_ID_RANGE) for _ in range(self.block_tokens)]
+        return [ids.randrange(*TOKEN_ID_RANGE) for _ in range(size)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -623,6 +649,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trace", choices=["rag", "chat", "chat-handoff", "mooncake"], default="rag")
     parser.add_argument("--trace-file", type=Path, help="--trace mooncake: the JSONL trace to replay")
     parser.add_argument(
+        "--replay-block-tokens",
+        type=int,
+        help="--trace mooncake: tokens per hash id (default the trace's 512); fewer shrink every prompt alike",
+    )
+    parser.add_argument("--replay-max-blocks", type=int, help="--trace mooncake: keep each prompt's first K hash ids")
+    parser.add_argument("--replay-max-output", type=int, help="--trace mooncake: cap each request's output tokens")
+    parser.add_argument(
         "--rate",
         type=float,
         nargs="+",
@@ -658,8 +691,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace == "mooncake":
         if args.trace_file is None:
             parser.error("--trace mooncake needs --trace-file (Mooncake's JSONL format)")
-        trace = MooncakeTrace(args.trace_file, seed=args.seed)
-        shape = f"Mooncake trace {args.trace_file} (512-token blocks as seeded token ids, as text)"
+        trace = MooncakeTrace(
+            args.trace_file,
+            replay_block_tokens=args.replay_block_tokens,
+            max_blocks=args.replay_max_blocks,
+            max_output_tokens=args.replay_max_output,
+            seed=args.seed,
+        )
+        shape = trace.description
     elif args.trace == "chat":
         trace = ChatTrace(seed=args.seed)
         shape = trace.description

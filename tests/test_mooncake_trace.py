@@ -33,3 +33,20 @@ def test_shared_hash_ids_share_tokens_and_arrivals_keep_their_pattern(tmp_path):
     too_long.write_text(json.dumps({**ROWS[2], "input_length": 600}) + "\n" + json.dumps(ROWS[2]) + "\n")
     with pytest.raises(ValueError, match="row 0 has 600 input tokens"):
         MooncakeTrace(too_long).requests(1.0, 10)
+
+
+def test_a_scaled_replay_keeps_who_shares_what(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    full = MooncakeTrace(path).requests(rate=3.0, count=10)[1]
+    specs, prompts = MooncakeTrace(path, replay_block_tokens=128, max_blocks=2, max_output_tokens=25).requests(
+        rate=3.0, count=10
+    )
+    # 1100 tokens over 512-token blocks is 275 over 128-token ones, cut to two blocks: 256.
+    assert [len(p) for p in prompts] == [s.prompt_tokens for s in specs] == [256, 175, 128]
+    assert [s.output_tokens for s in specs] == [20, 25, 5]
+    assert prompts[0][:128] == prompts[1][:128] == full[0][:128]  # hash id 7, shared and scaled alike
+    assert prompts[0][128:175] != prompts[1][128:175]
+    assert [s.arrival_s for s in specs] == pytest.approx([0.0, 0.25, 1.0])
+    with pytest.raises(ValueError, match="max_blocks must be >= 1"):
+        MooncakeTrace(path, max_blocks=0)
