@@ -114,7 +114,8 @@ class Member:
 
     def _count(self, requests: int, prompt_tokens: int) -> None:
         """Only `InFlight` calls this: every +1 is paired with its -1."""
-        self._changes.append((time.time(), requests))
+        if requests:
+            self._changes.append((time.time(), requests))
         self._outstanding += requests
         self._prompt_tokens += prompt_tokens
 
@@ -135,17 +136,24 @@ class Member:
         return max(self._outstanding, self.load.running + self.load.waiting + since_report)
 
 
-@dataclass(frozen=True, slots=True)
 class InFlight:
     """One request's share of a member's load, counted from entry to exit whatever ends it
-    (an error, a cancellation, a client that left)."""
+    (an error, a cancellation, a client that left). Its prompt tokens (those the engine must
+    compute) count until `prefilled()`: after its first token the prompt costs nothing more."""
 
-    member: Member
-    prompt_tokens: int
+    __slots__ = ("member", "prompt_tokens")
 
-    async def __aenter__(self) -> Member:
+    def __init__(self, member: Member, prompt_tokens: int) -> None:
+        self.member = member
+        self.prompt_tokens = prompt_tokens
+
+    async def __aenter__(self) -> InFlight:
         self.member._count(1, self.prompt_tokens)
-        return self.member
+        return self
+
+    def prefilled(self) -> None:
+        self.member._count(0, -self.prompt_tokens)
+        self.prompt_tokens = 0
 
     async def __aexit__(self, *exc_info: object) -> None:
         self.member._count(-1, -self.prompt_tokens)  # no await before it: a cancel cannot skip it
@@ -190,14 +198,16 @@ class Pool:
 
     def pick_prefill(self, prompt_tokens: int = 0, cached: Mapping[str, PrefixHit] | None = None) -> RouteDecision:
         """Least prefill work: the prompt tokens it must compute (those not in its prefix
-        cache, where `cached` says, by member name) plus those already queued on it; prefill
+        cache, where `cached` says, by member name) plus those queued on it to compute; prefill
         time is proportional to them. Of equal work, the one holding the longest attention
-        prefix: it keeps a hybrid's state checkpoint there for the next request (PrefixHit)."""
+        prefix: it keeps a hybrid's state checkpoint there for the next request (PrefixHit);
+        then the fewest requests. Decode engines that prefill (colocated) are picked so too."""
         cached = cached or {}
 
         def work(m: Member) -> tuple[int, ...]:
             hit = cached.get(m.name, _NO_HIT)
-            return (prompt_tokens - hit.tokens + m.outstanding_prompt_tokens, -hit.attention_tokens)
+            left = prompt_tokens - hit.tokens + m.outstanding_prompt_tokens
+            return (left, -hit.attention_tokens, m.estimated_requests)
 
         decision = self._pick(work)
         if not cached:

@@ -92,8 +92,8 @@ class RouterPolicy:
     cache_aware: bool = knob(
         True,
         help="with several engines in a pool, route by how much of the prompt each one's prefix cache holds "
-        "(this router's copies of their indexes): prefill picks the least work (uncached + queued prompt "
-        "tokens), decode the most held",
+        "(this router's copies of their indexes): an engine computing the prompt (prefill; colocated decode) is "
+        "picked by the least work (uncached + queued uncached prompt tokens), decode after a handoff by the most held",
     )
     index_copy_wait_s: float = knob(
         0.05,
@@ -101,7 +101,9 @@ class RouterPolicy:
         "(until then the engine counts as holding nothing)",
     )
     decode_cache_slack: int = knob(
-        1, help="a decode engine holding more of the prompt wins if it runs at most this many more requests"
+        1,
+        help="after a handoff, a decode engine holding more of the prompt wins if it runs at most this many more "
+        "requests",
     )
     verify_fraction: float = knob(
         0.0,
@@ -263,10 +265,7 @@ class Orchestrator:
             if first is not None:
                 leg = prefill.decode_leg(leg)
             try:
-                route = plan.decode
-                if route is None:
-                    cached = await self.cached_prefixes(self.decode, leg, state_pulled=handle is not None)
-                    route = self.decode.pick_decode(cached, self.policy.decode_cache_slack)
+                route = await self._decode_route(leg, plan, handed_off=prefill is not None)
             except NoWorkerError:
                 if handle is not None:
                     self._release_soon(handle)
@@ -276,7 +275,8 @@ class Orchestrator:
                 predicted = route.cached_tokens
             decode_member = route.member
             try:
-                async for chunk in self._decode(decode_member, leg, handle, progress, first):
+                uncached = 0 if prefill else len(leg.prompt_token_ids) - (route.cached_tokens or 0)
+                async for chunk in self._decode(decode_member, leg, handle, progress, first, uncached):
                     yield out(chunk)
                 break
             # Decode refused the pulled state before running on it (its digests did not match
@@ -394,9 +394,11 @@ class Orchestrator:
         handle: TransferHandle | None,
         progress: _Progress,
         first: TokenChunk | None,
+        uncached_tokens: int,
     ) -> AsyncIterator[TokenChunk]:
-        """Stream the decode leg; `first` (prefill's token) goes out while the leg starts."""
-        async with self.decode.in_flight(member):
+        """Stream the decode leg; `first` (prefill's token) goes out while the leg starts.
+        `uncached_tokens`: the prompt tokens it computes first (none when handed off)."""
+        async with self.decode.in_flight(member, prompt_tokens=uncached_tokens) as counted:
             feed = self._feed(member)
             inbox = feed.open_leg(request.request_id)
             started = finished = False
@@ -417,6 +419,8 @@ class Orchestrator:
                     # Tokens that arrived together (this stream's caller was still writing the
                     # last ones) go out as one message: fewer writes, and no token waits longer.
                     chunk = chunks[0] if len(chunks) == 1 else TokenChunk.joined(chunks)
+                    if not started:
+                        counted.prefilled()
                     started = True
                     progress.add(chunk)
                     finished = chunk.finish_reason is not None
@@ -474,9 +478,23 @@ class Orchestrator:
             _routed(request.request_id, plan.route)
             member = plan.route.member
             try:
-                return member, await self._prefill(member, request), plan
+                uncached = len(request.prompt_token_ids) - (plan.route.cached_tokens or 0)
+                return member, await self._prefill(member, request, uncached), plan
             except RayActorError as err:
                 member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
+
+    async def _decode_route(self, leg: GenerateRequest, plan: PrefillPlan, handed_off: bool) -> RouteDecision:
+        """Where a decode leg goes: where the plan put it; else, if that engine computes the
+        prompt itself (colocated, a short prompt, no prefill engine), the least prefill work,
+        as the prefill pool picks, since a queued prompt delays the next one's first token
+        and decoding streams barely do; else, for a handoff, the decode pick."""
+        if plan.decode is not None:
+            return plan.decode
+        if not handed_off:
+            cached = await self.cached_prefixes(self.decode, leg)
+            return self.decode.pick_prefill(len(leg.prompt_token_ids), cached)
+        cached = await self.cached_prefixes(self.decode, leg, state_pulled=True)
+        return self.decode.pick_decode(cached, self.policy.decode_cache_slack)
 
     async def _decode_holdings(self, request: GenerateRequest) -> dict[str, PrefixHit]:
         """What each decode engine holds of a prompt it might prefill itself (conditional
@@ -486,8 +504,10 @@ class Orchestrator:
             return {}
         return await self.cached_prefixes(self.decode, request, even_one=True)
 
-    async def _prefill(self, member: Member, request: GenerateRequest) -> PrefillResult:
-        async with self.prefill.in_flight(member, prompt_tokens=len(request.prompt_token_ids)):
+    async def _prefill(self, member: Member, request: GenerateRequest, uncached_tokens: int) -> PrefillResult:
+        """The prefill leg on `member`, which computes `uncached_tokens` of the prompt (its queue's
+        measure for the next pick)."""
+        async with self.prefill.in_flight(member, prompt_tokens=uncached_tokens):
             ref = member.actor.prefill.remote(request)
             pending = asyncio.ensure_future(_resolve(ref))
             try:

@@ -94,6 +94,26 @@ def test_a_decode_engine_holding_all_but_a_few_tokens_prefills_them_itself():
     assert off.plan_prefill(REQUEST, {}, all_of_it).reason == "prefill pool"
 
 
+def test_a_decode_engine_that_computes_the_prompt_is_picked_by_prefill_work():
+    """Colocated, decode-0 is computing a 1,000-token prompt and decode-1 decodes two streams:
+    by requests decode-0 would win and the prompt would wait behind that prefill."""
+    orchestrator = Orchestrator(Pool("prefill"), Pool("decode"), ModelLimits(64, 100), RouterPolicy(cache_aware=False))
+    orchestrator.decode = Pool("decode", [Member(f"decode-{i}", None) for i in range(2)])
+    prefilling, decoding = orchestrator.decode.members
+    for member in orchestrator.decode.members:
+        member.mark_live()
+    plan = orchestrator.plan_prefill(REQUEST)
+
+    async def scenario() -> list[str]:
+        async with orchestrator.decode.in_flight(prefilling, prompt_tokens=1000):
+            async with orchestrator.decode.in_flight(decoding), orchestrator.decode.in_flight(decoding):
+                local = await orchestrator._decode_route(REQUEST, plan, handed_off=False)
+                handoff = await orchestrator._decode_route(REQUEST, plan, handed_off=True)
+        return [local.member.name, handoff.member.name]
+
+    assert asyncio.run(scenario()) == ["decode-1", "decode-0"]  # a handoff's leg goes by requests
+
+
 def test_a_dead_decode_engine_migrates_the_stream_until_the_policy_says_fail():
     orchestrator = _orchestrator(policy=RouterPolicy(max_migrations=2))
     assert [orchestrator.failover(n).action for n in range(3)] == ["migrate", "migrate", "fail"]

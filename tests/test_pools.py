@@ -285,9 +285,14 @@ def test_in_flight_counts_always_come_back_down():
         assert await anext(tokens) == 0 and member.outstanding_requests == 1
         await tokens.aclose()
 
+    async def prefilled() -> None:  # a leg's prompt stops counting at its first token
+        async with pool.in_flight(member, prompt_tokens=50) as counted:
+            counted.prefilled()
+            assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (1, 0)
+
     with pytest.raises(RuntimeError):
         asyncio.run(raises())
-    for scenario in (cancelled, left_early):
+    for scenario in (cancelled, left_early, prefilled):
         asyncio.run(scenario())
     assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (0, 0)
     assert member.estimated_requests == 0

@@ -153,6 +153,25 @@ def test_prefill_goes_where_the_least_work_is_left():
     assert pool.pick_prefill(2000).cached_tokens is None  # nobody was asked
 
 
+def test_an_engine_that_prefills_the_prompt_itself_is_picked_by_work_not_by_requests():
+    # Colocated: the decode engines compute prompts. Both hold the first 256 tokens' attention
+    # blocks, d1 the next 256 too (no DeltaNet checkpoint: neither hit is usable) and it is
+    # still computing a 1,700-token prompt. Counting requests, d1 is within the slack and wins
+    # on its longer attention prefix: the new prompt would wait behind that prefill.
+    decode = Pool("decode", [_member("d0"), _member("d1")])
+    cached = {"d0": PrefixHit(0, 256), "d1": PrefixHit(0, 512)}
+
+    async def picks() -> list[str]:
+        async with decode.in_flight(decode.members[1], prompt_tokens=1700) as busy:
+            by_requests = decode.pick_decode(cached, slack=1).member.name
+            by_work = decode.pick_prefill(2000, cached).member.name
+            busy.prefilled()  # its first token: decoding costs the next prompt little
+            after = decode.pick_prefill(2000, cached).member.name
+        return [by_requests, by_work, after]
+
+    assert asyncio.run(picks()) == ["d1", "d0", "d1"]
+
+
 def test_decode_goes_to_the_engine_holding_the_conversation_unless_it_is_busier():
     pool = Pool("decode", [_member("d0"), _member("d1")])
     cached = {"d0": PrefixHit(), "d1": PrefixHit(512, 512)}
