@@ -52,6 +52,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
@@ -133,13 +134,18 @@ class MooncakeTrace:
     so a replay may shrink them without changing who shares what: each id becomes
     `replay_block_tokens` tokens (lengths scale with it), prompts keep their first `max_blocks`
     ids (a shared prefix is shared from the start, so cutting the tail keeps every share), and
-    outputs stop at `max_output_tokens`."""
+    outputs stop at `max_output_tokens`.
+
+    Mooncake's published timestamps are rounded (the conversation trace's to 3 s: up to 16
+    rows share one), so rows sharing a timestamp are spread evenly up to the next one unless
+    `spread_ties` is off: replayed as one burst, they would measure the rounding."""
 
     path: Path
     block_tokens: int = 512
     replay_block_tokens: int | None = None  # None: the trace's own block_tokens
     max_blocks: int | None = None
     max_output_tokens: int | None = None
+    spread_ties: bool = True
     seed: int = 0
     unit: ClassVar[str] = "req/s"
 
@@ -155,6 +161,7 @@ class MooncakeTrace:
         cuts = [f"{size}-token blocks{scaled}"]
         cuts += [f"the first {self.max_blocks} blocks"] if self.max_blocks else []
         cuts += [f"<= {self.max_output_tokens} tokens out"] if self.max_output_tokens else []
+        cuts += ["rows sharing a timestamp spread to the next"] if self.spread_ties else []
         return f"Mooncake trace {self.path}: {', '.join(cuts)}, as seeded token ids sent as text"
 
     def requests(self, rate: float, count: int) -> tuple[list[RequestSpec], list[list[int]]]:
@@ -162,7 +169,8 @@ class MooncakeTrace:
             rows = [json.loads(line) for line in lines if line.strip()][:count]
         if len(rows) < 2:
             raise ValueError(f"{self.path}: a trace needs two or more rows")
-        start, span = rows[0]["timestamp"], (rows[-1]["timestamp"] - rows[0]["timestamp"]) / 1e3
+        times = self._times([row["timestamp"] / 1e3 for row in rows])
+        span = times[-1] - times[0]
         stretch = (len(rows) / span) / rate if span > 0 else 0.0  # the trace's own rate over the asked one
         size = self.replay_block_tokens or self.block_tokens
         blocks: dict[int, list[int]] = {}
@@ -174,10 +182,26 @@ class MooncakeTrace:
             tokens = [t for h in kept for t in blocks.setdefault(h, self._block(h, size))]
             prompt = tokens[: -(-row["input_length"] * size // self.block_tokens)]  # scaled, rounded up
             output = min(row["output_length"], self.max_output_tokens or row["output_length"])
-            arrival = (row["timestamp"] - start) / 1e3 * stretch
+            arrival = (times[i] - times[0]) * stretch
             specs.append(RequestSpec(i, arrival, len(prompt), output))
             prompts.append(prompt)
         return specs, prompts
+
+    def _times(self, stamps: list[float]) -> list[float]:
+        """Each row's time: its timestamp, or with `spread_ties` the k rows sharing one at
+        even steps up to the next timestamp (the last group: over the gap before it)."""
+        if not self.spread_ties:
+            return stamps
+        distinct = sorted(set(stamps))
+        gaps = {t: b - t for t, b in zip(distinct, distinct[1:])}
+        if len(distinct) > 1:
+            gaps[distinct[-1]] = distinct[-1] - distinct[-2]
+        counts, seen = Counter(stamps), Counter[float]()
+        times = []
+        for t in stamps:
+            times.append(t + gaps.get(t, 0.0) * seen[t] / counts[t])
+            seen[t] += 1
+        return times
 
     def _block(self, hash_id: int, size: int) -> list[int]:
         ids = random.Random(f"mooncake-{self.seed}-{hash_id}")
@@ -656,6 +680,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-max-blocks", type=int, help="--trace mooncake: keep each prompt's first K hash ids")
     parser.add_argument("--replay-max-output", type=int, help="--trace mooncake: cap each request's output tokens")
     parser.add_argument(
+        "--replay-as-stamped",
+        action="store_true",
+        help="--trace mooncake: rows sharing a timestamp arrive at once (default: spread evenly to the next one)",
+    )
+    parser.add_argument(
         "--rate",
         type=float,
         nargs="+",
@@ -696,6 +725,7 @@ def main(argv: list[str] | None = None) -> int:
             replay_block_tokens=args.replay_block_tokens,
             max_blocks=args.replay_max_blocks,
             max_output_tokens=args.replay_max_output,
+            spread_ties=not args.replay_as_stamped,
             seed=args.seed,
         )
         shape = trace.description

@@ -50,3 +50,14 @@ def test_a_scaled_replay_keeps_who_shares_what(tmp_path):
     assert [s.arrival_s for s in specs] == pytest.approx([0.0, 0.25, 1.0])
     with pytest.raises(ValueError, match="max_blocks must be >= 1"):
         MooncakeTrace(path, max_blocks=0)
+
+
+def test_rows_sharing_a_rounded_timestamp_are_spread_to_the_next_one(tmp_path):
+    path = tmp_path / "trace.jsonl"
+    rows = [{**ROWS[2], "timestamp": t} for t in (0, 0, 0, 3000, 6000, 6000)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    # The last pair spreads over the 3 s gap before it: 6 rows over 7.5 s, so 0.8 req/s is the trace's own pace.
+    spread = MooncakeTrace(path).requests(rate=0.8, count=10)[0]
+    assert [s.arrival_s for s in spread] == pytest.approx([0.0, 1.0, 2.0, 3.0, 6.0, 7.5])
+    stamped = MooncakeTrace(path, spread_ties=False).requests(rate=1.0, count=10)[0]
+    assert [s.arrival_s for s in stamped] == pytest.approx([0.0, 0.0, 0.0, 3.0, 6.0, 6.0])
