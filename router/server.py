@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Protocol
@@ -189,6 +191,21 @@ def router_limits(tier_limits: AdmissionLimits, grant: AdmissionLimits | None) -
     )
 
 
+def bind_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> int:
+    """Bind the gRPC front to `address` (port 0: any free one); the port it got. gRPC's own
+    error names no cause, so a failed bind is tried with a plain socket to say why."""
+    try:
+        return server.add_secure_port(address, tls.credentials()) if tls else server.add_insecure_port(address)
+    except RuntimeError:
+        host, port = address.rsplit(":", 1)
+        try:
+            socket.create_server((host.strip("[]"), int(port))).close()
+        except OSError as err:
+            why = os.strerror(err.errno) if err.errno else str(err)
+            raise OSError(err.errno, f"gRPC front {address}: {why}; free that port or pick another") from None
+        raise OSError(f"gRPC front {address}: gRPC could not bind it (GRPC_VERBOSITY=debug says why)") from None
+
+
 class RouterServer:
     """gRPC server plus the background task that polls pool loads and sets health."""
 
@@ -237,10 +254,7 @@ class RouterServer:
             ),
             self._server,
         )
-        if front.tls:
-            self.port = self._server.add_secure_port(address, front.tls.credentials())
-        else:
-            self.port = self._server.add_insecure_port(address)
+        self.port = bind_port(self._server, address, front.tls)
         self.address = f"{address.rsplit(':', 1)[0]}:{self.port}"
 
     async def start(self) -> None:

@@ -33,10 +33,14 @@ def test_gap_histogram_matches_prometheus_histogram():
     assert ours == theirs
 
 
-def test_a_taken_port_is_named_for_the_metrics_endpoint_and_the_http_front():
-    """`pdserve serve` prints these: the bare OSError names no address."""
+def test_a_taken_port_is_named_for_the_metrics_endpoint_and_both_fronts():
+    """`pdserve serve` prints these: the bare OSError (gRPC's RuntimeError) names no address
+    (no cause)."""
+    import grpc
+
     from router.metrics import serve_metrics
     from router.openai_http import _reusable_socket
+    from router.server import bind_port
 
     with socket.socket() as taken:  # no SO_REUSEPORT: nobody may share it
         taken.bind(("127.0.0.1", 0))
@@ -46,3 +50,5 @@ def test_a_taken_port_is_named_for_the_metrics_endpoint_and_the_http_front():
             serve_metrics("127.0.0.1", port)
         with pytest.raises(OSError, match=rf"HTTP front 127.0.0.1:{port}: .*pick another"):
             _reusable_socket("127.0.0.1", port)
+        with pytest.raises(OSError, match=rf"gRPC front 127.0.0.1:{port}: Address already in use; free that"):
+            bind_port(grpc.server(None), f"127.0.0.1:{port}", None)
