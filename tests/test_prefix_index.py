@@ -68,6 +68,21 @@ def test_removals_and_clears_take_blocks_out():
     assert index.hit(HASHES, 17, LAYOUT).tokens == 0 and len(index) == 0
 
 
+def test_a_block_cached_twice_is_held_until_both_copies_are_evicted():
+    # A hybrid prompt hitting only up to an earlier checkpoint recomputes attention blocks the
+    # engine holds; vLLM caches them again under the same hash and removes each copy apart.
+    index = _index(HASHES, HASHES)
+    index.record(index_changes([_stored(HASHES[1:], 3)]))  # the second copies
+    index.record(index_changes([BlockRemoved(HASHES[1:], None, group_idx=3)]))  # the first ones evicted
+    assert index.hit(HASHES, 17, LAYOUT).tokens == 4 * BLOCK
+    copy = PrefixIndex()
+    assert _copied(index, copy) == "whole"  # a whole copy carries the counts too
+    index.record(index_changes([BlockRemoved(HASHES[1:], None, group_idx=3)]))
+    assert _copied(index, copy) == "delta" and copy.hit(HASHES, 17, LAYOUT).tokens == BLOCK
+    index.record(index_changes([BlockRemoved([999], None, group_idx=3)]))  # never stored: ignored
+    assert len(index) == 4 * 3 + 1
+
+
 def _copied(index: PrefixIndex, copy: PrefixIndex) -> str:
     """Bring `copy` up to `index` as a router does; how: "delta", "whole" or "current"."""
     update = index.changes_since(copy.generation, copy.version)

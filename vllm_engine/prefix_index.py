@@ -22,7 +22,7 @@ import pickle
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -97,7 +97,12 @@ _SERIALIZERS: dict[str, Callable[[Any], bytes]] = {"sha256": _pickled, "sha256_c
 
 
 class PrefixIndex:
-    """Block keys held per KV-cache group (vLLM's group index).
+    """Block keys held per KV-cache group (vLLM's group index), each with its count of copies.
+
+    vLLM caches a block again when a request recomputes it: a hybrid's prompt that hits only
+    up to an earlier state checkpoint recomputes attention blocks the engine already holds,
+    and both copies stay cached under one hash. Evicting either emits BlockRemoved for that
+    hash, so a key is held until as many removals as stores have come.
 
     An engine's index `record`s its events and remembers the latest batches, so a copy asks
     only for what changed (`changes_since`); a copy `follow`s those updates. `generation`
@@ -105,7 +110,7 @@ class PrefixIndex:
     whole index."""
 
     def __init__(self) -> None:
-        self._blocks: dict[int, set[BlockKey]] = {}
+        self._blocks: dict[int, Counter[BlockKey]] = {}
         self._lock = threading.Lock()
         self.generation = uuid.uuid4().hex
         self.version = 0
@@ -147,7 +152,7 @@ class PrefixIndex:
                 if oldest <= version + 1 <= self.version + 1:
                     changes = tuple(c for v, batch in self._log if v > version for c in batch)
                     return PrefixIndexUpdate(self.generation, self.version, False, changes)
-            held = tuple(IndexChange(group, True, tuple(keys)) for group, keys in self._blocks.items())
+            held = tuple(IndexChange(group, True, tuple(keys.elements())) for group, keys in self._blocks.items())
             return PrefixIndexUpdate(self.generation, self.version, True, held)
 
     async def changes_after(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
@@ -186,7 +191,7 @@ class PrefixIndex:
         block_size = layout.block_size
         usable = min(len(block_hashes), (prompt_tokens - 1) // block_size)
         with self._lock:
-            held = [self._blocks.get(i, set()) for i in range(len(layout.groups))]
+            held = [self._blocks.get(i, Counter()) for i in range(len(layout.groups))]
             attention = [b for b, g in zip(held, layout.groups) if g.kind is GroupKind.ATTENTION]
             states = [b for b, g in zip(held, layout.groups) if g.kind is GroupKind.DELTANET]
             run = 0
@@ -200,10 +205,15 @@ class PrefixIndex:
         return PrefixHit(0, run * block_size)
 
     def _apply(self, change: IndexChange) -> None:
+        held = self._blocks.setdefault(change.group, Counter())
         if change.stored:
-            self._blocks.setdefault(change.group, set()).update(change.keys)
-        else:
-            self._blocks.get(change.group, set()).difference_update(change.keys)
+            held.update(change.keys)
+            return
+        for key in change.keys:  # a removal of a key never seen (before a resync) is ignored
+            if held[key] > 1:
+                held[key] -= 1
+            else:
+                held.pop(key, None)
 
     def _restart(self) -> None:
         self._blocks.clear()
