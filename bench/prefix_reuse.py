@@ -128,7 +128,8 @@ class MooncakeTrace:
     request, {"timestamp": ms, "input_length": N, "output_length": M, "hash_ids": [...]}, each
     hash id one `block_tokens` block of the prompt, shared by every request naming it. Replayed
     as synthetic tokens: each id becomes seeded token ids, a prompt is its blocks cut to
-    input_length; arrivals keep the trace's pattern, stretched to the asked mean rate.
+    input_length; arrivals keep the trace's pattern, stretched to the asked mean rate. Each rate
+    gets its own tokens, so a run shares nothing with the run before it.
 
     Production traces outgrow a small box (Mooncake's conversation trace averages 12k tokens),
     so a replay may shrink them without changing who shares what: each id becomes
@@ -179,7 +180,7 @@ class MooncakeTrace:
             if row["input_length"] > len(row["hash_ids"]) * self.block_tokens:
                 raise ValueError(f"{self.path}: row {i} has {row['input_length']} input tokens but fewer in its blocks")
             kept = row["hash_ids"][: self.max_blocks]
-            tokens = [t for h in kept for t in blocks.setdefault(h, self._block(h, size))]
+            tokens = [t for h in kept for t in blocks.setdefault(h, self._block(h, size, rate))]
             prompt = tokens[: -(-row["input_length"] * size // self.block_tokens)]  # scaled, rounded up
             output = min(row["output_length"], self.max_output_tokens or row["output_length"])
             arrival = (times[i] - times[0]) * stretch
@@ -203,8 +204,10 @@ class MooncakeTrace:
             seen[t] += 1
         return times
 
-    def _block(self, hash_id: int, size: int) -> list[int]:
-        ids = random.Random(f"mooncake-{self.seed}-{hash_id}")
+    def _block(self, hash_id: int, size: int, rate: float) -> list[int]:
+        # Tokens of their own at each rate: the previous rate's run, still cached, would hit
+        # what the trace never sends twice.
+        ids = random.Random(f"mooncake-{self.seed}-{rate!r}-{hash_id}")
         return [ids.randrange(*TOKEN_ID_RANGE) for _ in range(size)]
 
 

@@ -29,6 +29,8 @@ def test_shared_hash_ids_share_tokens_and_arrivals_keep_their_pattern(tmp_path):
     # 3 rows over 2 s is 1.5 req/s: at 3 req/s the gaps halve, their ratio stays.
     assert [s.arrival_s for s in specs] == pytest.approx([0.0, 0.25, 1.0])
     assert MooncakeTrace(path, seed=1).requests(3.0, 10)[1][0] != prompts[0]  # seeded
+    assert MooncakeTrace(path).requests(3.0, 10)[1] == prompts  # reproducibly
+    assert MooncakeTrace(path).requests(2.0, 10)[1][0] != prompts[0]  # another rate's run shares nothing
     too_long = tmp_path / "bad.jsonl"
     too_long.write_text(json.dumps({**ROWS[2], "input_length": 600}) + "\n" + json.dumps(ROWS[2]) + "\n")
     with pytest.raises(ValueError, match="row 0 has 600 input tokens"):
