@@ -40,6 +40,7 @@ import socket
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from itertools import pairwise
@@ -441,7 +442,13 @@ def format_row(report: RunReport) -> str:
         f"E2E {_ms(s.e2e_s.p50)}/{_ms(s.e2e_s.p90)}/{_ms(s.e2e_s.p99)} ms | "
         f"{s.throughput_rps:.2f} req/s {s.output_tokens_per_s:.0f} tok/s | "
         f"goodput {s.goodput_rps:.2f} req/s ({s.slo_attainment:.0%} within SLO)"
-    )
+    ) + _not_done(report.requests)
+
+
+def _not_done(records: Sequence[RequestRecord]) -> str:
+    """Why requests did not complete, by error (or how many of their tokens came)."""
+    why = Counter(r.error or f"{len(r.token_times_s)} of {r.output_tokens} tokens" for r in records if not r.completed)
+    return "".join(f" | not done: {n} {reason}" for reason, n in why.most_common())
 
 
 def write_json(path: Path, payload: object) -> None:

@@ -21,6 +21,7 @@ from bench.loadgen import (
     LoadConfig,
     RequestRecord,
     RunReport,
+    format_row,
     parse_trace,
     poisson_arrivals,
     prompt_ids,
@@ -180,6 +181,9 @@ def test_goodput_counts_requests_meeting_both_slos():
     assert summary.request_itl_s.p50 == pytest.approx(0.01)
     assert summary.itl_s.p90 == pytest.approx(0.05)  # 27 gaps, a third of them 50 ms
     assert summary.e2e_s.p50 == pytest.approx(0.651)
+    short = _record(4, 0.8, 0.2, [0.01] * 2, output=10)  # the stream ended early, no error
+    line = format_row(RunReport("run", 1.0, slo, summarize([*records, short], slo), [*records, short]))
+    assert line.endswith("| not done: 1 DEADLINE_EXCEEDED | not done: 1 3 of 10 tokens")
 
 
 def test_per_request_itl_statistic_mean_or_p90():
