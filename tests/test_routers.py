@@ -342,12 +342,12 @@ def test_the_planner_moves_an_engine_to_prefill_without_a_restart_or_a_failed_re
         async with grpc.aio.insecure_channel(address) as channel:
             ref = make_request("over_one_block")
             prompt, max_tokens = list(ref.prompt_token_ids), ref.sampling.max_tokens
-            return await asyncio.gather(
-                *(
-                    stream_tokens(channel, build_request(prompt, f"moved-{i}", max_tokens=max_tokens, ignore_eos=True))
-                    for i in range(2)
-                )
-            )
+            requests = [build_request(prompt, f"moved-{i}", max_tokens=max_tokens, ignore_eos=True) for i in range(2)]
+            for i, request in enumerate(requests):
+                # Cached nowhere: the second goes where the first's prompt is not queued. (An
+                # engine holding it cached would take both: little to compute for either.)
+                request.cache_salt = f"moved-{i}"
+            return await asyncio.gather(*(stream_tokens(channel, request) for request in requests))
 
     results = run(through_each_prefill_engine())
     for tokens, _, _ in results:
