@@ -50,10 +50,10 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import grpc

@@ -13,6 +13,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from cluster.pools import Pool
+from router.binding import bind_error
 
 PROMPT_BUCKETS = ((128, "0-127"), (512, "128-511"), (2048, "512-2047"), (8192, "2048-8191"))
 _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -182,5 +183,5 @@ def serve_metrics(host: str, port: int) -> str:
     try:
         server, _ = start_http_server(port, addr=host)
     except OSError as err:  # the bare error names no address
-        raise OSError(err.errno, f"metrics {host}:{port}: {err.strerror}; free that port or pick another") from None
+        raise bind_error("metrics", host, port, err) from None
     return f"{host}:{server.server_port}"

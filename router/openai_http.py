@@ -32,6 +32,7 @@ from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, Ove
 from messages.requests import STRUCTURED_KINDS, GenerateRequest, SamplingConfig, StructuredOutput
 from router import chat_prompt
 from router.admission import AdmissionController
+from router.binding import bind_error
 from router.chat_parsing import ChatParsers, ChatParsing
 from router.metrics import REQUESTS
 from router.openai_errors import HTTPError, invalid
@@ -536,7 +537,7 @@ def _reusable_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as err:  # the bare error names no address
         sock.close()
-        raise OSError(err.errno, f"HTTP front {host}:{port}: {err.strerror}; free that port or pick another") from None
+        raise bind_error("HTTP front", host, port, err) from None
     return sock
 
 

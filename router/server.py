@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from proto.pdserve.v1 import generate_pb2 as pb
 from proto.pdserve.v1 import generate_pb2_grpc as pb_grpc
 from messages.membership import AdmissionLimits
 from router.admission import AdmissionController
+from router.binding import bind_error
 from router.convert import decode_request, encode_chunk, encode_final
 from router.metrics import REQUESTS
 from router.orchestrator import Orchestrator
@@ -201,8 +201,7 @@ def bind_port(server: grpc.aio.Server, address: str, tls: ServerTLS | None) -> i
         try:
             socket.create_server((host.strip("[]"), int(port))).close()
         except OSError as err:
-            why = os.strerror(err.errno) if err.errno else str(err)
-            raise OSError(err.errno, f"gRPC front {address}: {why}; free that port or pick another") from None
+            raise bind_error("gRPC front", host, port, err) from None
         raise OSError(f"gRPC front {address}: gRPC could not bind it (GRPC_VERBOSITY=debug says why)") from None
 
 
