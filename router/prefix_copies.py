@@ -29,6 +29,11 @@ from vllm_engine.prefix_index import BlockHashing, PrefixIndex
 log = logging.getLogger(__name__)
 
 _POLL_S = 2.0  # longest one long poll waits for a change
+# Shortest time from one poll to the next, so that a burst's engine steps answer one poll
+# between them, not one each: every answer is a Ray call in the engine actor's process beside
+# its steps, and one per step slowed cold-prompt bursts (docs/benchmarks.md). A lone change
+# still comes at once; in a burst the copy lags by up to this much.
+_POLL_GAP_S = 0.3
 _RETRY_S = 1.0  # before following again an engine that could not be reached
 _FORGET_S = 60.0  # before dropping the copy of an engine that could not be reached
 
@@ -62,9 +67,11 @@ class _Copy:
             self.ready.set()
             while self.spec is not None and not self._stopping:
                 index = self.index
+                asked = time.monotonic()
                 update = ray.get(self.actor.prefix_index_changes.remote(index.generation, index.version, _POLL_S))
                 if update is not None:
                     index.follow(update)
+                    time.sleep(max(0.0, asked + _POLL_GAP_S - time.monotonic()))
         except Exception as err:  # noqa: BLE001 (the actor died or restarts; Ray shut down)
             log.info("prefix index copy of %s stopped (%s): it counts as holding nothing", self.name, err)
             self.spec, self.index = None, PrefixIndex()

@@ -33,16 +33,30 @@ class IndexOnly:
     def __init__(self, spec_delay_s: float = 0.0) -> None:
         self.index = PrefixIndex()
         self.spec_delay_s = spec_delay_s
+        self.answered = 0  # long polls answered with changes
 
     def store(self, blocks: int) -> None:
         self.index.record([IndexChange(0, True, tuple(HASHING.hashes(PROMPT)[:blocks]))])
+
+    async def store_one_by_one(self, blocks: int, gap_s: float) -> None:
+        """Each of the prompt's first `blocks` blocks in a batch of its own, `gap_s` apart, as
+        an engine's steps store them."""
+        keys = HASHING.hashes(PROMPT)[:blocks]
+        for key in keys:
+            self.index.record([IndexChange(0, True, (key,))])
+            await asyncio.sleep(gap_s)
+
+    def polls_answered(self) -> int:
+        return self.answered
 
     async def prefix_index_spec(self) -> tuple[BlockHashing, StateLayout]:
         await asyncio.sleep(self.spec_delay_s)
         return HASHING, LAYOUT
 
     async def prefix_index_changes(self, generation: str, version: int, wait_s: float) -> PrefixIndexUpdate | None:
-        return await self.index.changes_after(generation, version, wait_s)
+        update = await self.index.changes_after(generation, version, wait_s)
+        self.answered += update is not None
+        return update
 
 
 def _member(name: str, actor) -> Member:  # noqa: ANN001
@@ -91,3 +105,16 @@ def test_an_engine_whose_copy_is_starting_counts_as_holding_nothing(ray_cluster,
     assert _hits(copies, [slow], wait_s=0.05) == {}
     assert metrics.PREFIX_COPIES_UNREADY._value.get() == unready + 1
     assert _until(copies, [slow], {"slow": PrefixHit(16, 16)}) < 3.0  # the prompt's last token is computed
+
+
+def test_changes_coming_step_after_step_reach_the_copy_in_fewer_polls(ray_cluster, copies, monkeypatch):
+    """Each answer wakes the engine actor's loop, beside its steps: the copy spaces its polls
+    and takes the changes of several steps in one."""
+    monkeypatch.setattr("router.prefix_copies._POLL_GAP_S", 0.5)
+    engine = _member("e0", IndexOnly.remote())
+    _until(copies, [engine], {"e0": PrefixHit()})  # following, nothing stored yet
+    while (answered := ray.get(engine.actor.polls_answered.remote())) < 1:  # the whole index, at start
+        time.sleep(0.01)
+    ray.get(engine.actor.store_one_by_one.remote(4, 0.02))  # four steps' batches within ~0.1 s
+    _until(copies, [engine], {"e0": PrefixHit(16, 16)}, timeout_s=3.0)
+    assert ray.get(engine.actor.polls_answered.remote()) - answered <= 2  # not one per batch

@@ -113,6 +113,40 @@ def test_a_copy_follows_changes_and_starts_again_whole(monkeypatch):
     assert _copied(index, copy) == "whole"
 
 
+def test_a_copy_behind_is_sent_exactly_the_batches_it_lacks(monkeypatch):
+    monkeypatch.setattr("vllm_engine.prefix_index._HISTORY", 3)
+    index, copy = PrefixIndex(), PrefixIndex()
+    _copied(index, copy)
+    for h in HASHES[:3]:
+        index.record(index_changes([_stored([h], 3)]))
+    _copied(index, copy)  # at version 3; the log remembers versions 1-3
+    index.record(index_changes([_stored([HASHES[3]], 3)]))  # version 4; the log holds 2-4
+    update = index.changes_since(copy.generation, copy.version)
+    assert update is not None and not update.whole
+    assert [change.keys for change in update.changes] == [(HASHES[3],)]
+    assert _copied(index, copy) == "delta"
+
+
+def test_a_change_wakes_a_waiting_long_poll_and_no_loop_otherwise(monkeypatch):
+    index, woken = PrefixIndex(), []
+    wake = index._changed
+    monkeypatch.setattr(index, "_changed", lambda: (woken.append(1), wake()))
+
+    async def poll_then_record() -> tuple[float, object]:
+        asyncio.get_running_loop().call_later(0.05, index.record, index_changes([_stored([HASHES[0]], 3)]))
+        started = asyncio.get_running_loop().time()
+        update = await index.changes_after(index.generation, index.version, 5.0)
+        return asyncio.get_running_loop().time() - started, update
+
+    index.record(index_changes([_stored([HASHES[1]], 3)]))  # no long poll has ever waited
+    index.changes_since(index.generation, 0)
+    assert woken == []
+    waited, update = asyncio.run(poll_then_record())
+    assert update is not None and waited < 2.0 and woken == [1]
+    index.record(index_changes([_stored([HASHES[2]], 3)]))  # the poll has returned: nothing waits
+    assert woken == [1]
+
+
 def _vllms_hashes(token_ids: list[int], block_size: int, cache_salt: str, algo: str) -> list:
     """vLLM's own: hash_block_tokens from NONE_HASH, with the extra keys vLLM gives a salt."""
     from vllm import envs

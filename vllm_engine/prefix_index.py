@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import pickle
 import threading
 import time
@@ -115,8 +116,10 @@ class PrefixIndex:
         self.generation = uuid.uuid4().hex
         self.version = 0
         self._log: deque[tuple[int, tuple[IndexChange, ...]]] = deque(maxlen=_HISTORY)
-        # Long polls wait on this event, on their (the actor's) loop; the recording thread sets it.
+        # Long polls wait on this event, on their (the actor's) loop; the recording thread sets it
+        # only while one waits: each wake-up takes the engine's core and GIL from its steps.
         self._change: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._waiting = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -135,12 +138,16 @@ class PrefixIndex:
                     batch.append(change)
             self.version += 1
             self._log.append((self.version, tuple(batch)))
-        self._changed()
+            wake = self._waiting > 0
+        if wake:
+            self._changed()
 
     def clear(self) -> None:
         with self._lock:
             self._restart()
-        self._changed()
+            wake = self._waiting > 0
+        if wake:
+            self._changed()
 
     def changes_since(self, generation: str, version: int) -> PrefixIndexUpdate | None:
         """What a copy at (`generation`, `version`) lacks; None if nothing."""
@@ -149,8 +156,9 @@ class PrefixIndex:
                 if version == self.version:
                     return None
                 oldest = self._log[0][0] if self._log else self.version + 1
-                if oldest <= version + 1 <= self.version + 1:
-                    changes = tuple(c for v, batch in self._log if v > version for c in batch)
+                if oldest <= version + 1 <= self.version + 1:  # the log's versions run on by one
+                    newer = itertools.islice(self._log, version + 1 - oldest, None)
+                    changes = tuple(c for _, batch in newer for c in batch)
                     return PrefixIndexUpdate(self.generation, self.version, False, changes)
             held = tuple(IndexChange(group, True, tuple(keys.elements())) for group, keys in self._blocks.items())
             return PrefixIndexUpdate(self.generation, self.version, True, held)
@@ -167,10 +175,16 @@ class PrefixIndex:
             if remaining <= 0:
                 return None
             changed.clear()
-            if (update := self.changes_since(generation, version)) is not None:
-                break  # it changed between the two looks
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(changed.wait(), remaining)
+            with self._lock:
+                self._waiting += 1
+            try:
+                if (update := self.changes_since(generation, version)) is not None:
+                    break  # it changed between the two looks
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(changed.wait(), remaining)
+            finally:
+                with self._lock:
+                    self._waiting -= 1
         return update
 
     def follow(self, update: PrefixIndexUpdate) -> None:
