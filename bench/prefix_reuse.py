@@ -567,7 +567,8 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[Endpoint]:
         if served.smg_policy is None:
             for attempt in (1, 2):  # its ports are picked free, then bound later: another may take one
                 metrics_port = _free_port()
-                flags = f"{served.flags} --kv-cache-bytes {kv_cache_bytes} --metrics-port {metrics_port}"
+                flags = f"{served.flags} {args.pdserve_flags} --kv-cache-bytes {kv_cache_bytes}"
+                flags += f" --metrics-port {metrics_port}"
                 system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
                 started.append(system)
                 try:
@@ -710,6 +711,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--smg", default=shutil.which("smg") or "smg", help="SMG's command (pip install smg)")
     parser.add_argument("--pdserve-eager", action="store_true", help="pdserve's CPU default (eager), not compiled")
+    parser.add_argument(
+        "--pdserve-flags", default="", help="more `pdserve serve` flags for every pdserve system, e.g. a routing weight"
+    )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
     model = resolve_model(args.model)

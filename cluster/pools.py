@@ -196,18 +196,25 @@ class Pool:
     # engines do not all pick the first one.
     _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
 
-    def pick_prefill(self, prompt_tokens: int = 0, cached: Mapping[str, PrefixHit] | None = None) -> RouteDecision:
+    def pick_prefill(
+        self, prompt_tokens: int = 0, cached: Mapping[str, PrefixHit] | None = None, stream_weight: float = 0.0
+    ) -> RouteDecision:
         """Least prefill work: the prompt tokens it must compute (those not in its prefix
         cache, where `cached` says, by member name) plus those queued on it to compute; prefill
-        time is proportional to them. Of equal work, the one holding the longest attention
-        prefix: it keeps a hybrid's state checkpoint there for the next request (PrefixHit);
-        then the fewest requests. Decode engines that prefill (colocated) are picked so too."""
+        time is proportional to them. `stream_weight` (engines that also decode: colocated, a
+        decode engine prefilling): each request on the engine adds that share of the tokens
+        to compute, since its stream waits out the new prompt's prefill steps. Without it a
+        small hit (a shared system prompt) would draw every request to one engine while the
+        other idles. Of equal work, the one holding the longest attention prefix: it keeps a
+        hybrid's state checkpoint there for the next request (PrefixHit); then the fewest
+        requests."""
         cached = cached or {}
 
         def work(m: Member) -> tuple[int, ...]:
             hit = cached.get(m.name, _NO_HIT)
-            left = prompt_tokens - hit.tokens + m.outstanding_prompt_tokens
-            return (left, -hit.attention_tokens, m.estimated_requests)
+            uncached = prompt_tokens - hit.tokens
+            stalled = round(stream_weight * uncached * m.estimated_requests)
+            return (uncached + m.outstanding_prompt_tokens + stalled, -hit.attention_tokens, m.estimated_requests)
 
         decision = self._pick(work)
         if not cached:

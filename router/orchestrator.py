@@ -95,6 +95,13 @@ class RouterPolicy:
         "(this router's copies of their indexes): an engine computing the prompt (prefill; colocated decode) is "
         "picked by the least work (uncached + queued uncached prompt tokens), decode after a handoff by the most held",
     )
+    decoding_stream_weight: float = knob(
+        1.0,
+        help="engines that prefill and decode (colocated; a decode engine prefilling): each stream on one "
+        "counts this share of a new prompt's uncached tokens against it, since the prompt's prefill steps hold "
+        "that stream's next token (0: the prompt's own work alone, which draws requests sharing a short prefix "
+        "to one engine)",
+    )
     index_copy_wait_s: float = knob(
         0.05,
         help="longest a request waits for this router's copy of a new engine's prefix index "
@@ -117,6 +124,8 @@ class RouterPolicy:
             raise ValueError(f"on_decode_failure {self.on_decode_failure!r}: use 'migrate' or 'fail'")
         if self.on_prefill_unavailable not in ("local", "fail"):
             raise ValueError(f"on_prefill_unavailable {self.on_prefill_unavailable!r}: use 'local' or 'fail'")
+        if self.decoding_stream_weight < 0:
+            raise ValueError(f"decoding_stream_weight must be >= 0, got {self.decoding_stream_weight}")
         if self.decode_cache_slack < 0:
             raise ValueError(f"decode_cache_slack must be >= 0, got {self.decode_cache_slack}")
         if self.max_migrations < 0:
@@ -492,7 +501,7 @@ class Orchestrator:
             return plan.decode
         if not handed_off:
             cached = await self.cached_prefixes(self.decode, leg)
-            return self.decode.pick_prefill(len(leg.prompt_token_ids), cached)
+            return self.decode.pick_prefill(len(leg.prompt_token_ids), cached, self.policy.decoding_stream_weight)
         cached = await self.cached_prefixes(self.decode, leg, state_pulled=True)
         return self.decode.pick_decode(cached, self.policy.decode_cache_slack)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -250,7 +251,15 @@ def test_streamed_chat_logprobs_start_with_prefills_token(served, colocated):
     assert tokens == ref.tokens
     for position, (got, want) in enumerate(zip(logprobs, ref.logprobs)):
         assert got[0] == pytest.approx(want[0][1], abs=LOGPROB_TOLERANCE), position  # the sampled token's
-        assert [t for t, _ in got[1]] == [t for t, _ in want[:3]], position  # top 3, best first
+        # The top 3, best first, each at the reference's logprob for it. Which of two candidates
+        # within the tolerance comes first is a near-tie either engine may order either way (an
+        # AMX CPU's kernels round otherwise than AVX-512's).
+        alternatives = dict(want)  # the reference's top 20
+        assert [lp for _, lp in got[1]] == sorted((lp for _, lp in got[1]), reverse=True), position
+        for token, logprob in got[1]:
+            assert logprob == pytest.approx(alternatives.get(token, -math.inf), abs=LOGPROB_TOLERANCE), position
+        reference_third = want[2][1]
+        assert all(lp >= reference_third - LOGPROB_TOLERANCE for _, lp in got[1]), position
 
 
 def test_vllm_bench_serve_runs_a_poisson_benchmark_with_goodput(served, model_path, tmp_path):

@@ -221,6 +221,29 @@ def test_an_engine_that_prefills_the_prompt_itself_is_picked_by_work_not_by_requ
     assert asyncio.run(picks()) == ["d1", "d0", "d1"]
 
 
+def test_streams_decoding_on_an_engine_weigh_against_a_small_hit_there_not_a_large_one():
+    # Colocated, a 1,900-token prompt: d0 holds its first 256 tokens (a shared system prompt),
+    # d1 nothing. Counting the prompt's work alone, d0 takes it even with streams decoding
+    # there, which the prefill would hold: every such request went to one engine. Weighing
+    # each stream by the stall it would take, the idle engine wins; a 1,536-token document
+    # hit still draws the request to the engine holding it.
+    decode = Pool("decode", [_member("d0"), _member("d1")])
+    system_prompt = {"d0": PrefixHit(256, 256), "d1": PrefixHit()}
+    document = {"d0": PrefixHit(1536, 1536), "d1": PrefixHit()}
+
+    async def picks() -> list[str]:
+        names = [decode.pick_prefill(1900, system_prompt, stream_weight=1.0).member.name]  # both idle
+        async with decode.in_flight(decode.members[0], prompt_tokens=1644) as stream:
+            stream.prefilled()  # decoding now
+            names.append(decode.pick_prefill(1900, system_prompt, stream_weight=0.0).member.name)
+            names.append(decode.pick_prefill(1900, system_prompt, stream_weight=1.0).member.name)
+            async with decode.in_flight(decode.members[0]):
+                names.append(decode.pick_prefill(1664, document, stream_weight=1.0).member.name)
+        return names
+
+    assert asyncio.run(picks()) == ["d0", "d0", "d1", "d0"]
+
+
 def test_decode_goes_to_the_engine_holding_the_conversation_unless_it_is_busier():
     pool = Pool("decode", [_member("d0"), _member("d1")])
     cached = {"d0": PrefixHit(), "d1": PrefixHit(512, 512)}
