@@ -214,7 +214,7 @@ def test_an_engine_that_prefills_the_prompt_itself_is_picked_by_work_not_by_requ
         async with decode.in_flight(decode.members[1], prompt_tokens=1700) as busy:
             by_requests = decode.pick_decode(cached, slack=1).member.name
             by_work = decode.pick_prefill(2000, cached).member.name
-            busy.prefilled()  # its first token: decoding costs the next prompt little
+            busy.prefilled()  # its first token: by the prompt's work alone, a decoding stream weighs nothing
             after = decode.pick_prefill(2000, cached).member.name
         return [by_requests, by_work, after]
 
