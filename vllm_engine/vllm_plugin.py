@@ -14,6 +14,7 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
   cores, away from the forward (vllm_engine.cpu_affinity).
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
+- CPU only: permission to use AMX tiles (`allow_amx_tiles`).
 - A torch.compile cache key that engines share: vLLM keys its compile cache on its
   environment variables, NIXL's side-channel port and the CPU core binding among them, so
   with a port and cores of its own no engine ever found another's compiled model, nor its
@@ -34,6 +35,7 @@ def register() -> None:
     from vllm_engine.cpu_affinity import remember_process_cores
 
     remember_process_cores()  # before vLLM binds this process's threads to the engine's cores
+    allow_amx_tiles()
     _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
@@ -74,6 +76,21 @@ def _place_connector_threads() -> None:
 
     init_placing_threads.keeps_cpu_affinity = True  # type: ignore[attr-defined]
     NixlBaseConnectorWorker.__init__ = init_placing_threads
+
+
+def allow_amx_tiles() -> None:
+    """Ask Linux for this process's AMX tile state on a CPU that has it.
+
+    Linux hands AMX tile registers only to a process that asked (arch_prctl
+    ARCH_REQ_XCOMP_PERM); any other gets SIGILL at its first tile instruction. vLLM's CPU
+    attention kernel picks AMX on such a CPU but never asks: it works only once oneDNN has
+    asked for its own AMX GEMMs, which a prefill of many tokens does. A decode engine's first
+    step after a handoff reaches the attention kernel first and died of SIGILL (tiny Gemma 3
+    and Qwen3 on a Xeon with AMX). PyTorch's `_init_amx` makes the request."""
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
 
 
 def _share_compile_cache_key() -> None:
