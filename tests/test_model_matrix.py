@@ -1,7 +1,7 @@
 """The architectures users serve, through P/D with real vLLM, NIXL and Ray: a dense GQA model
 (Qwen3), a MoE Gated DeltaNet hybrid (Qwen3.5 MoE), a Mamba-2 hybrid (NemotronH) and a
 sliding-window model (Gemma 3), each a tiny random-weight model (vllm_engine.tiny_models) in a
-1P+2D deployment.
+1P+2D deployment, and a TP 2 prefill engine handing off to it.
 
 Equivalence is by teacher forcing (vllm_engine.teacher_forcing): the colocated reference
 continues the prompt greedily; P/D is then forced along that continuation and must give the
@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import assert_no_blocks_held, engine_counter, run, sigkill
+import ray
+from conftest import assert_no_blocks_held, engine_counter, run, sigkill, wait_until
 from reference import prompt_of
 
 from controller.deployment import Deployment, DeploymentConfig
@@ -63,9 +64,10 @@ def _request(request_id: str, prompt: tuple[int, ...], forced: tuple[int, ...] =
     return GenerateRequest(request_id, prompt, sampling, cache_salt=salt)
 
 
-async def _colocated(decode, request: GenerateRequest) -> tuple[list[int], list[dict[int, float]]]:
+async def _on_engine(decode, request: GenerateRequest, handle=None) -> tuple[list[int], list[dict[int, float]]]:
+    """The request run on one engine: colocated, or a decode leg on a handoff's `handle`."""
     tokens, steps = [], []
-    async for ref in decode.generate.remote(request):
+    async for ref in decode.generate.remote(request, handle):
         chunk = await ref
         tokens.extend(chunk.token_ids)
         steps.extend(dict(top) for top in chunk.logprobs)
@@ -109,7 +111,7 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     path, dep, orchestrator = served
     decode = dep.decode.members[0].actor
     prompt = prompt_of(37, 11, PROMPT_TOKENS)
-    continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
+    continuation, colocated = run(_on_engine(decode, _request("colocated", prompt, salt="colocated")))
     assert len(continuation) == STEPS
 
     checks_before = _digest_checks(dep)
@@ -126,7 +128,7 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
 
     # Control: the same continuation after another prompt, which is what a wrong state gives.
     other = prompt_of(41, 3, PROMPT_TOKENS)
-    _, wrong = run(_colocated(decode, _request("control", other, tuple(continuation), "colocated")))
+    _, wrong = run(_on_engine(decode, _request("control", other, tuple(continuation), "colocated")))
     control = _largest_gap(colocated, wrong)
     print(f"{path}: largest logprob gap P/D vs colocated {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
     assert gap <= TOLERANCE_NATS
@@ -152,6 +154,56 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     assert_no_blocks_held(dep, timeout_s=10)
 
 
+def test_tp2_prefill_hands_off_to_tp1_decode(served):
+    """TP 2 -> 1: each prefill rank holds half the KV heads (and half the Mamba-2 heads and
+    groups, or the GDN heads), and decode's one rank reads both halves into its whole state.
+    A TP 2 prefill engine of the model's own hands off to the deployment's decode engine (a
+    decode engine reads from any producer of the model it can reach), on a prompt no engine
+    has seen. (The dense GDN hybrid's TP pairings are in tests/test_tensor_parallel.py.)"""
+    from cluster.ray_cluster import PREFILL_RESOURCE
+    from prefill_worker.actor import PrefillActor
+    from vllm_engine.config import EngineSizing
+
+    path, dep, _ = served
+    name = next(arch for arch in ARCHITECTURES if f"tiny-{arch}-" in path)
+    engine = dep.config.role_engine("prefill").sized(EngineSizing(tensor_parallel_size=2)).with_cores("0|1")
+    prefill = PrefillActor.options(resources={PREFILL_RESOURCE: 1}, max_restarts=0).remote(
+        "prefill-tp2", engine, dep.config.transfer
+    )
+    try:
+        ray.get(prefill.ready.remote())
+        decode = dep.decode.members[0].actor
+        prompt = prompt_of(53, 13, PROMPT_TOKENS)
+        continuation, colocated = run(_on_engine(decode, _request("colocated-tp2", prompt, salt="colocated")))
+        checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+        request = _request("pd-tp2", prompt, tuple(continuation))
+        handoff = ray.get(prefill.prefill.remote(request))
+        first = handoff.first.token_ids if handoff.first else ()
+        first_steps = [dict(top) for top in handoff.first.logprobs] if handoff.first else []
+        rest, rest_steps = run(_on_engine(decode, handoff.decode_leg(request), handoff.handle))
+        tokens, pd = [*first, *rest], first_steps + rest_steps
+        assert tokens == continuation
+        # Decode checked each block and state slot against the sum of both ranks' digests.
+        checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+        assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
+        gap = _largest_gap(colocated, pd)
+        other = prompt_of(41, 3, PROMPT_TOKENS)
+        _, wrong = run(_on_engine(decode, _request("control-tp2", other, tuple(continuation), "colocated")))
+        control = _largest_gap(colocated, wrong)
+        print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
+        tolerance = TP_TOLERANCE_NATS.get(name, TP_TOLERANCE_NATS["default"])
+        assert gap <= tolerance and control > 10 * tolerance
+        plan = plan_for(engine, ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
+        moved = handoff.handle.bytes
+        assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
+        assert moved.deltanet_state == plan.bytes_moved_state
+        assert_no_blocks_held(dep, timeout_s=10)
+        idle = lambda: (load := ray.get(prefill.load.remote())).free_blocks == load.total_blocks  # noqa: E731
+        assert wait_until(idle, 10), "the TP 2 prefill engine still holds the handoff's blocks"
+    finally:
+        ray.kill(prefill, no_restart=True)
+
+
 def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocated(served):
     """The router's failover on each model (the last of its tests: the killed engine restarts
     meanwhile): the decode engine streaming a request, forced along the colocated
@@ -165,7 +217,7 @@ def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocat
     path, dep, orchestrator = served
     prompt = prompt_of(47, 5, PROMPT_TOKENS)
     reference = dep.decode.members[1].actor
-    continuation, unbroken = run(_colocated(reference, _request("unbroken", prompt, salt="colocated")))
+    continuation, unbroken = run(_on_engine(reference, _request("unbroken", prompt, salt="colocated")))
     request = _request("killed", prompt, tuple(continuation))
     prefill = dep.prefill.members[0].actor
     hits_before = engine_counter(prefill, "pdserve_prompt_tokens", "source").get("local_cache_hit", 0)
@@ -197,49 +249,12 @@ def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocat
     if broke < STEPS:
         survivor = next(m.actor for m in dep.decode.members if m.name == result.decode_worker)
         resumed = dataclasses.replace(request, request_id="colocated-resumed", cache_salt="colocated")
-        _, colocated = run(_colocated(survivor, resumed.continued(tuple(continuation[:broke]))))
+        _, colocated = run(_on_engine(survivor, resumed.continued(tuple(continuation[:broke]))))
         gap = _largest_gap(colocated, steps[broke:], STEPS - broke)
     drift = _largest_gap(unbroken, steps)  # how far resuming moves the stream: shown, not bounded
     print(f"{path}: resumed at step {broke}: {gap:.4f} nats from colocated resumed, {drift:.4f} from unbroken")
     assert gap <= TOLERANCE_NATS
     assert_no_blocks_held(dep, timeout_s=10, but=killed.name)
-
-
-@pytest.mark.parametrize("name", ["qwen3_5_moe", "nemotron_h", "qwen3", "gemma3"])
-def test_tp2_prefill_hands_off_to_tp1_decode(ray_cluster, name):
-    """TP 2 -> 1: each prefill rank holds half the KV heads (and half the Mamba-2 heads and
-    groups, or the GDN heads), and decode's one rank reads both halves into its whole state.
-    (The dense GDN hybrid's TP pairings are in tests/test_tensor_parallel.py.)"""
-    from vllm_engine.config import EngineSizing
-
-    path = str(ensure_tiny_model(name))
-    engine = EngineConfig(model=path, enable_prefix_caching=name not in NO_PREFIX_CACHING)
-    dep = Deployment(DeploymentConfig(engine=engine, prefill_sizing=EngineSizing(tensor_parallel_size=2)))
-    try:
-        orchestrator = run(dep.start())
-        decode = dep.decode.members[0].actor
-        prompt = prompt_of(37, 11, PROMPT_TOKENS)
-        continuation, colocated = run(_colocated(decode, _request("colocated", prompt, salt="colocated")))
-        checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
-        tokens, pd, result = run(_through_pd(orchestrator, _request("pd-tp2", prompt, tuple(continuation))))
-        assert tokens == continuation and result.prefill_worker == "prefill-0"
-        # Decode checked each block and state slot against the sum of both ranks' digests.
-        checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
-        assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
-        gap = _largest_gap(colocated, pd)
-        other = prompt_of(41, 3, PROMPT_TOKENS)
-        _, wrong = run(_colocated(decode, _request("control", other, tuple(continuation), "colocated")))
-        control = _largest_gap(colocated, wrong)
-        print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
-        tolerance = TP_TOLERANCE_NATS.get(name, TP_TOLERANCE_NATS["default"])
-        assert gap <= tolerance and control > 10 * tolerance
-        plan = plan_for(dep.config.role_engine("prefill"), ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
-        moved = result.timings.transfer_bytes
-        assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
-        assert moved.deltanet_state == plan.bytes_moved_state
-        assert_no_blocks_held(dep, timeout_s=10)
-    finally:
-        dep.shutdown()
 
 
 @pytest.mark.parametrize("drafts", [1, 2])
