@@ -28,7 +28,7 @@ from reference import prompt_of
 from controller.deployment import Deployment, DeploymentConfig
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
-from vllm_engine.config import EngineConfig
+from vllm_engine.config import EngineConfig, EngineSizing
 from vllm_engine.sizing import ModelShape, plan_for
 from vllm_engine.tiny_models import ensure_tiny_model
 
@@ -53,10 +53,31 @@ def served(request, ray_cluster):
     path = str(ensure_tiny_model(request.param))
     caching = request.param not in NO_PREFIX_CACHING
     engine = EngineConfig(model=path, enable_prefix_caching=caching)
-    dep = Deployment(DeploymentConfig(engine=engine, num_decode=2))  # a second to migrate to
+    # A second decode engine to migrate to. The one the last test kills is not restarted:
+    # the module ends there, and a restart would only spend an engine start.
+    dep = Deployment(DeploymentConfig(engine=engine, num_decode=2, max_restarts=0))
     orchestrator = run(dep.start())
     yield path, dep, orchestrator
     dep.shutdown()
+
+
+TP2 = EngineSizing(tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def tp2_prefill(served):
+    """A TP 2 prefill engine of the model beside the deployment: cheaper than a deployment of
+    its own, whose decode engine would be one more start."""
+    from cluster.ray_cluster import PREFILL_RESOURCE
+    from prefill_worker.actor import PrefillActor
+
+    _, dep, _ = served
+    engine = dep.config.role_engine("prefill").sized(TP2).with_cores("0|1")
+    actor = PrefillActor.options(resources={PREFILL_RESOURCE: 1}, max_restarts=0).remote(
+        "prefill-tp2", engine, dep.config.transfer
+    )
+    yield engine, actor
+    ray.kill(actor, no_restart=True)
 
 
 def _request(request_id: str, prompt: tuple[int, ...], forced: tuple[int, ...] = (), salt: str = "") -> GenerateRequest:
@@ -154,59 +175,49 @@ def test_pd_equals_colocated_by_teacher_forced_logprobs_and_moves_the_planned_by
     assert_no_blocks_held(dep, timeout_s=10)
 
 
-def test_tp2_prefill_hands_off_to_tp1_decode(served):
+def test_tp2_prefill_hands_off_to_tp1_decode(served, tp2_prefill):
     """TP 2 -> 1: each prefill rank holds half the KV heads (and half the Mamba-2 heads and
     groups, or the GDN heads), and decode's one rank reads both halves into its whole state.
     A TP 2 prefill engine of the model's own hands off to the deployment's decode engine (a
     decode engine reads from any producer of the model it can reach), on a prompt no engine
     has seen. (The dense GDN hybrid's TP pairings are in tests/test_tensor_parallel.py.)"""
-    from cluster.ray_cluster import PREFILL_RESOURCE
-    from prefill_worker.actor import PrefillActor
-    from vllm_engine.config import EngineSizing
-
     path, dep, _ = served
+    engine, prefill = tp2_prefill
     name = next(arch for arch in ARCHITECTURES if f"tiny-{arch}-" in path)
-    engine = dep.config.role_engine("prefill").sized(EngineSizing(tensor_parallel_size=2)).with_cores("0|1")
-    prefill = PrefillActor.options(resources={PREFILL_RESOURCE: 1}, max_restarts=0).remote(
-        "prefill-tp2", engine, dep.config.transfer
-    )
-    try:
-        ray.get(prefill.ready.remote())
-        decode = dep.decode.members[0].actor
-        prompt = prompt_of(53, 13, PROMPT_TOKENS)
-        continuation, colocated = run(_on_engine(decode, _request("colocated-tp2", prompt, salt="colocated")))
-        checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
-        request = _request("pd-tp2", prompt, tuple(continuation))
-        handoff = ray.get(prefill.prefill.remote(request))
-        first = handoff.first.token_ids if handoff.first else ()
-        first_steps = [dict(top) for top in handoff.first.logprobs] if handoff.first else []
-        rest, rest_steps = run(_on_engine(decode, handoff.decode_leg(request), handoff.handle))
-        tokens, pd = [*first, *rest], first_steps + rest_steps
-        assert tokens == continuation
-        # Decode checked each block and state slot against the sum of both ranks' digests.
-        checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
-        assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
-        gap = _largest_gap(colocated, pd)
-        other = prompt_of(41, 3, PROMPT_TOKENS)
-        _, wrong = run(_on_engine(decode, _request("control-tp2", other, tuple(continuation), "colocated")))
-        control = _largest_gap(colocated, wrong)
-        print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
-        tolerance = TP_TOLERANCE_NATS.get(name, TP_TOLERANCE_NATS["default"])
-        assert gap <= tolerance and control > 10 * tolerance
-        plan = plan_for(engine, ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
-        moved = handoff.handle.bytes
-        assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
-        assert moved.deltanet_state == plan.bytes_moved_state
-        assert_no_blocks_held(dep, timeout_s=10)
-        idle = lambda: (load := ray.get(prefill.load.remote())).free_blocks == load.total_blocks  # noqa: E731
-        assert wait_until(idle, 10), "the TP 2 prefill engine still holds the handoff's blocks"
-    finally:
-        ray.kill(prefill, no_restart=True)
+    ray.get(prefill.ready.remote())
+    decode = dep.decode.members[0].actor
+    prompt = prompt_of(53, 13, PROMPT_TOKENS)
+    continuation, colocated = run(_on_engine(decode, _request("colocated-tp2", prompt, salt="colocated")))
+    checks_before = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+    request = _request("pd-tp2", prompt, tuple(continuation))
+    handoff = ray.get(prefill.prefill.remote(request))
+    first = handoff.first.token_ids if handoff.first else ()
+    first_steps = [dict(top) for top in handoff.first.logprobs] if handoff.first else []
+    rest, rest_steps = run(_on_engine(decode, handoff.decode_leg(request), handoff.handle))
+    tokens, pd = [*first, *rest], first_steps + rest_steps
+    assert tokens == continuation
+    # Decode checked each block and state slot against the sum of both ranks' digests.
+    checks = engine_counter(decode, "pdserve_handoff_digest_checks", "outcome")
+    assert checks.get("checked", 0) - checks_before.get("checked", 0) == 1, (checks_before, checks)
+    gap = _largest_gap(colocated, pd)
+    other = prompt_of(41, 3, PROMPT_TOKENS)
+    _, wrong = run(_on_engine(decode, _request("control-tp2", other, tuple(continuation), "colocated")))
+    control = _largest_gap(colocated, wrong)
+    print(f"{name} TP 2 -> 1: largest logprob gap {gap:.4f} nats over {STEPS} steps; another prompt's {control}")
+    tolerance = TP_TOLERANCE_NATS.get(name, TP_TOLERANCE_NATS["default"])
+    assert gap <= tolerance and control > 10 * tolerance
+    plan = plan_for(engine, ModelShape.from_model_dir(path), prompt_tokens=PROMPT_TOKENS)
+    moved = handoff.handle.bytes
+    assert moved.attention_kv == plan.bytes_moved_attention + plan.bytes_moved_sliding
+    assert moved.deltanet_state == plan.bytes_moved_state
+    assert_no_blocks_held(dep, timeout_s=10)
+    idle = lambda: (load := ray.get(prefill.load.remote())).free_blocks == load.total_blocks  # noqa: E731
+    assert wait_until(idle, 10), "the TP 2 prefill engine still holds the handoff's blocks"
 
 
 def test_a_decode_engine_killed_mid_stream_migrates_and_resumes_equal_to_colocated(served):
-    """The router's failover on each model (the last of its tests: the killed engine restarts
-    meanwhile): the decode engine streaming a request, forced along the colocated
+    """The router's failover on each model (the last of its tests: the killed engine stays
+    dead): the decode engine streaming a request, forced along the colocated
     continuation, is SIGKILLed after a few tokens; the router resumes the stream on the other
     decode engine through a fresh P/D leg of the prompt and the tokens streamed, which reuses
     the prompt's cached blocks where the model caches. The stream ends whole; up to the break
