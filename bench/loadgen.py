@@ -264,6 +264,15 @@ async def _send(
 HTTP_STATUS_NAMES = {429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE", 400: "INVALID_ARGUMENT"}
 
 
+def load_client() -> httpx.AsyncClient:
+    """The HTTP client a load runs through: connections without bound, each dropped after 2 s
+    idle. uvicorn (pdserve's OpenAI front, vLLM's server) closes a connection idle for 5 s,
+    httpx's own default expiry: a request sent on a connection as the server closes it fails
+    with ReadError, an error of the client's making (docs/benchmarks.md, prefix reuse)."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None, keepalive_expiry=2.0)
+    return httpx.AsyncClient(limits=limits)
+
+
 @dataclass(frozen=True)
 class HTTPTarget:
     """The OpenAI front: requests go to `base_url`/v1/completions, streamed, as `model`."""
@@ -405,8 +414,7 @@ async def sweep(
 async def sweep_http(base_url: str, rates: Sequence[float], config: LoadConfig, label: str = "") -> list[RunReport]:
     """`sweep` through the OpenAI front at `base_url` (http://HOST:PORT, loopback only)."""
     require_loopback(base_url.removeprefix("http://"))
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with load_client() as client:
         models = (await client.get(f"{base_url}/v1/models", timeout=30)).json()["data"]
         target = HTTPTarget(client, base_url, models[0]["id"])
         await warm_up(target, config)

@@ -72,6 +72,7 @@ from bench.loadgen import (
     add_load_args,
     format_row,
     LoadConfig,
+    load_client,
     load_config,
     plot_cdfs,
     plot_goodput,
@@ -651,8 +652,7 @@ async def run_served(
     within 5% (None for stock systems)."""
     config = load_config(args)
     model = resolve_model(args.model)
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with load_client() as client:
         target = HTTPTarget(client, endpoint.url, MODEL_NAME)
         await _warm_up(target, config, model)
         runs = []
