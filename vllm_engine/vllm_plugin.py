@@ -15,6 +15,8 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
 - CPU only: permission to use AMX tiles (`allow_amx_tiles`).
+- CPU only: the sampler ranks sampled tokens among the logprobs eagerly
+  (`rank_logprobs_eagerly`).
 - A torch.compile cache key that engines share: vLLM keys its compile cache on its
   environment variables, NIXL's side-channel port and the CPU core binding among them, so
   with a port and cores of its own no engine ever found another's compiled model, nor its
@@ -36,6 +38,7 @@ def register() -> None:
 
     remember_process_cores()  # before vLLM binds this process's threads to the engine's cores
     allow_amx_tiles()
+    rank_logprobs_eagerly()
     _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
@@ -91,6 +94,23 @@ def allow_amx_tiles() -> None:
 
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
+
+
+def rank_logprobs_eagerly() -> None:
+    """vLLM's sampler ranks each sampled token among the logprobs with an op it compiles
+    (torch.compile, inductor) on first use: in an engine process's first request asking for
+    logprobs, inside that request's time to first token. On CPU that compile took 3-6 s
+    (docs/benchmarks.md), for every engine process and after every restart, where the eager
+    op costs a few milliseconds a step. CPU engines, compiled or not, run it eager; GPU
+    engines keep vLLM's compiled op."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import vllm.v1.sample.sampler as sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
 def _share_compile_cache_key() -> None:

@@ -1,0 +1,57 @@
+"""What pdserve's vLLM plugin sets up in every engine process (vllm_engine.vllm_plugin), seen
+in a fresh process after `register()`, as vLLM runs it.
+
+- AMX tiles, where the CPU has them: Linux gives a process the tile state only after it
+  asks; vLLM's CPU attention kernel uses AMX without asking, and a decode engine whose first
+  step after a handoff reached it died of SIGILL. The model matrix's P/D tests are that
+  failure end to end on an AMX host; this checks the request on any x86-64 host.
+- The sampler's logprob-rank op, eager on CPU: vLLM compiles it on first use, inside the
+  first logprobs request's time to first token."""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+
+import pytest
+
+PROBE = """
+import ctypes, json, torch
+ARCH_GET_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1022, 18, 158
+libc = ctypes.CDLL(None, use_errno=True)
+
+def tiles_allowed():
+    mask = ctypes.c_uint64()
+    assert libc.syscall(SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) == 0
+    return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+
+before = tiles_allowed()
+from vllm_engine.vllm_plugin import register
+register()
+import vllm.v1.sample.sampler as sampler
+rank = sampler.batched_count_greater_than
+x = torch.tensor([[0.5, -1.0, 2.0, 0.1]])
+print(json.dumps({
+    "has_amx": torch.cpu._is_amx_tile_supported(), "tiles_before": before, "tiles_after": tiles_allowed(),
+    "rank_compiled": hasattr(rank, "_torchdynamo_orig_callable"), "ranks": rank(x, x[:, :1]).tolist(),
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def process() -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="AMX and arch_prctl are x86-64's")
+def test_the_plugin_asks_for_amx_tiles_exactly_where_the_cpu_has_them(process):
+    assert not process["tiles_before"], "a fresh process already had the tiles: this test no longer sees the request"
+    assert process["tiles_after"] == process["has_amx"]
+
+
+def test_the_sampler_ranks_logprobs_eagerly_on_cpu(process):
+    assert not process["rank_compiled"]
+    assert process["ranks"] == [2]  # 0.5 is beaten by 2.0 and itself (vLLM counts >=)
