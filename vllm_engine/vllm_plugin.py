@@ -14,7 +14,7 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
   cores, away from the forward (vllm_engine.cpu_affinity).
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
-- CPU only: permission to use AMX tiles (`allow_amx_tiles`).
+- Where the CPU has AMX: permission to use its tiles (`allow_amx_tiles`).
 - CPU only: the sampler ranks sampled tokens among the logprobs eagerly
   (`rank_logprobs_eagerly`).
 - A torch.compile cache key that engines share: vLLM keys its compile cache on its
