@@ -18,7 +18,7 @@ import sys
 import pytest
 
 PROBE = """
-import ctypes, json, torch
+import ctypes, json, os, sys, torch
 ARCH_GET_XCOMP_PERM, XFEATURE_XTILEDATA, SYS_ARCH_PRCTL = 0x1022, 18, 158
 libc = ctypes.CDLL(None, use_errno=True)
 
@@ -28,22 +28,30 @@ def tiles_allowed():
     return bool(mask.value >> XFEATURE_XTILEDATA & 1)
 
 before = tiles_allowed()
+from vllm_engine.config import EngineConfig
 from vllm_engine.vllm_plugin import register
+if sys.argv[1] == "engine":
+    os.environ.update(EngineConfig().process_env())  # as an engine actor sets it before vLLM starts
 register()
 import vllm.v1.sample.sampler as sampler
 rank = sampler.batched_count_greater_than
 x = torch.tensor([[0.5, -1.0, 2.0, 0.1]])
 print(json.dumps({
     "has_amx": torch.cpu._is_amx_tile_supported(), "tiles_before": before, "tiles_after": tiles_allowed(),
-    "rank_compiled": hasattr(rank, "_torchdynamo_orig_callable"), "ranks": rank(x, x[:, :1]).tolist(),
+    "rank_compiled": hasattr(rank, "_torchdynamo_orig_callable"), "ranks": None if sys.argv[1] == "stock" else rank(x, x[:, :1]).tolist(),
 }))
 """
 
 
+def _probe(kind: str) -> dict:
+    out = subprocess.run([sys.executable, "-c", PROBE, kind], capture_output=True, text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def process() -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    """A pdserve engine's process."""
+    return _probe("engine")
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="AMX and arch_prctl are x86-64's")
@@ -55,3 +63,9 @@ def test_the_plugin_asks_for_amx_tiles_exactly_where_the_cpu_has_them(process):
 def test_the_sampler_ranks_logprobs_eagerly_on_cpu(process):
     assert not process["rank_compiled"]
     assert process["ranks"] == [2]  # 0.5 is beaten by 2.0 and itself (vLLM counts >=)
+
+
+def test_another_vllm_process_keeps_vllms_compiled_rank_op():
+    """A stock vLLM server started from this environment (the benchmarks' baseline) runs the
+    plugin too, and stays stock."""
+    assert _probe("stock")["rank_compiled"]

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from configuration.fields import knob
 from configuration.parsers import parse_bytes, parse_json_object
 from kv_transfer.layout import HYBRID_TRANSFER_ENV
+from vllm_engine.vllm_plugin import ENGINE_PROCESS_ENV
 from vllm_engine.worker_extension import WORKER_EXTENSION
 
 if TYPE_CHECKING:
@@ -167,6 +168,7 @@ class EngineConfig:
         env = {
             # In-process: one engine per actor process, no extra engine-core process.
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if self.path == "inprocess" else "1",
+            ENGINE_PROCESS_ENV: "1",
             **HYBRID_TRANSFER_ENV,
         }
         if self.cpu_cores is not None and self.device == "cpu":

@@ -15,8 +15,8 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
 - CPU only: decode's Gated-DeltaNet conv update reads the dim-first state NIXL needs in place
   (vllm_engine.conv_state_update), for every engine that stores it so, colocated ones too.
 - Where the CPU has AMX: permission to use its tiles (`allow_amx_tiles`).
-- CPU only: the sampler ranks sampled tokens among the logprobs eagerly
-  (`rank_logprobs_eagerly`).
+- CPU only, pdserve's engines only: the sampler ranks sampled tokens among the logprobs
+  eagerly (`rank_logprobs_eagerly`).
 - A torch.compile cache key that engines share: vLLM keys its compile cache on its
   environment variables, NIXL's side-channel port and the CPU core binding among them, so
   with a port and cores of its own no engine ever found another's compiled model, nor its
@@ -31,14 +31,20 @@ import os
 
 from kv_transfer.progress_thread import PROGRESS_POLL_ENV
 
+# Set in every pdserve engine's environment (EngineConfig.process_env): vLLM runs this plugin
+# in any vLLM process of the environment it is installed in, a benchmark's stock vLLM server
+# too, which must stay stock.
+ENGINE_PROCESS_ENV = "PDSERVE_ENGINE_PROCESS"
+
 
 def register() -> None:
     from kv_transfer.layout import DIM_FIRST_CONV_UPDATE_ENV
     from vllm_engine.cpu_affinity import remember_process_cores
 
     remember_process_cores()  # before vLLM binds this process's threads to the engine's cores
-    allow_amx_tiles()
-    rank_logprobs_eagerly()
+    allow_amx_tiles()  # any vLLM here: without it vLLM's own AMX kernel may die of SIGILL
+    if os.environ.get(ENGINE_PROCESS_ENV) == "1":
+        rank_logprobs_eagerly()
     _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
