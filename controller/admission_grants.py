@@ -10,6 +10,13 @@ never add up to more than the limits, whatever the order of the reports; traffic
 reaches one router more than the others moves the shares within a view interval. It is
 not a lock per request: a router decides alone between two views.
 
+One exception: where the tier has a queue, every router may queue at least one request,
+even when the others' grants leave nothing. A router that joins while the others hold the
+whole of the limits (or while a dead router's grant has yet to expire) would otherwise
+refuse its first requests on an idle tier; with one place in line they wait for the next
+view, when the others' shares have shrunk to make room. The tier's queue can so hold up to
+one request more per router than its limit; nothing past the in-flight limit runs.
+
 A router that stops reporting (dead, cut off, drained) stops counting after `expiry_s`.
 """
 
@@ -50,9 +57,10 @@ class AdmissionGrants:
         waiting = sum(
             _reserved(h.grant.max_queue, h.report.waiting, h.report.limits.max_queue, limits.max_queue) for h in others
         )
+        queue_floor = 1 if limits.max_queue else 0
         granted = AdmissionLimits(
             _share(limits.max_in_flight, report.in_flight, in_flight, weight),
-            _share(limits.max_queue, report.waiting, waiting, weight),
+            max(queue_floor, _share(limits.max_queue, report.waiting, waiting, weight)),
         )
         self._holdings[report.router] = _Holding(report, granted, now)
         return granted

@@ -80,8 +80,8 @@ class AdmissionController:
         if len(self._waiters) >= limits.max_queue:
             retry_after_s = self._retry_after_s(limits)
             raise OverloadedError(
-                f"overloaded: {limits.max_in_flight} requests in flight and {limits.max_queue} waiting; "
-                f"retry in {retry_after_s:.2f}s",
+                f"overloaded: {self.in_flight} requests in flight and {self.waiting} waiting on this router, "
+                f"its limits {limits.max_in_flight} and {limits.max_queue}; retry in {retry_after_s:.2f}s",
                 retry_after_s,
             )
         slot: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -51,13 +51,14 @@ def test_grants_never_add_up_to_more_than_the_limits_whatever_the_order():
         in_flight, waiting = rng.randint(0, held.max_in_flight), rng.randint(0, held.max_queue + 20)
         granted[name] = grants.grant(report(name, in_flight, min(waiting, held.max_queue)), now=step * 0.01)
         assert sum(g.max_in_flight for g in granted.values()) <= LIMITS.max_in_flight, (step, granted)
-        assert sum(g.max_queue for g in granted.values()) <= LIMITS.max_queue, (step, granted)
+        # Past a router's one place in line (which each has), the queue is shared out whole.
+        assert sum(max(0, g.max_queue - 1) for g in granted.values()) <= LIMITS.max_queue, (step, granted)
 
 
 def test_a_router_that_stops_reporting_stops_counting():
     grants = AdmissionGrants(expiry_s=5.0)
     assert grants.grant(report("gone", in_flight=10), now=0.0) == LIMITS  # alone: all of it
-    assert grants.grant(report("r1"), now=1.0).max_in_flight == 0  # held by "gone" until it expires
+    assert grants.grant(report("r1"), now=1.0) == AdmissionLimits(0, 1)  # held by "gone" until it expires
     assert grants.grant(report("r1"), now=6.0) == LIMITS
     grants.grant(report("left", in_flight=10), now=7.0)
     grants.forget("left")
@@ -100,3 +101,31 @@ def test_the_first_router_of_a_starting_tier_leaves_room_for_the_others():
     assert first == AdmissionLimits(4, 2)
     later = [grants.grant(RouterAdmission(f"r{i}", 0, 0, LIMITS, routers=4), now=0.1) for i in (1, 2, 3)]
     assert all(g.max_in_flight == 4 for g in later) and sum(g.max_queue for g in [first, *later]) == LIMITS.max_queue
+
+
+def test_a_router_joining_a_fully_granted_tier_queues_its_first_request_until_room_is_made():
+    """The router that ran alone holds the whole of the limits when another joins: the
+    newcomer's first request waits in line, is not refused, and runs once the first
+    router's next report has shrunk its share."""
+
+    async def scenario() -> tuple[AdmissionLimits, AdmissionLimits]:
+        grants = AdmissionGrants()
+        assert grants.grant(report("first"), now=0.0) == LIMITS
+        share = joined = grants.grant(report("new"), now=0.1)
+        admission = AdmissionController(lambda: share)
+        request = asyncio.create_task(_hold(admission))
+        await asyncio.sleep(0.01)
+        assert (admission.in_flight, admission.waiting) == (0, 1)  # in line, not refused
+        grants.grant(report("first"), now=0.2)  # the newcomer now counts
+        share = grants.grant(report("new", waiting=1), now=0.3)
+        admission.limits_changed()
+        await asyncio.wait_for(request, 1.0)
+        return joined, share
+
+    joined, grown = asyncio.run(scenario())
+    assert joined == AdmissionLimits(0, 1) and grown.max_in_flight >= 1, (joined, grown)
+
+
+async def _hold(admission: AdmissionController) -> None:
+    async with admission.admitted():
+        await asyncio.sleep(0.01)
