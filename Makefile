@@ -15,8 +15,9 @@ run: install
 # close the report: the suite's 20-minute budget is kept by reading them. Two pytest workers,
 # each a module at a time with its own Ray cluster: one alone leaves a core idle while its
 # tests wait on engines, timeouts and subprocesses (docs/benchmarks.md, "The test suite").
+# Modules in collection order, the slow ones first (tests/conftest.py), not xdist's by size.
 test: install lint
-	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(VENV)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # No engine, no Ray, no pdserve process: the tests that answer in seconds.
 test-fast: install

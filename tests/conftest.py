@@ -19,11 +19,15 @@ ENGINE_MODULES = frozenset(
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test that starts an engine `engines` (`make test-fast` runs the others)."""
+    """Mark every test that starts an engine `engines` (`make test-fast` runs the others), and
+    put the modules holding `slow` tests first: with two workers (`make test`) the long modules
+    then start early and the short ones fill in at the end, so both workers finish together."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if "ray_cluster" in getattr(item, "fixturenames", ()) or module in ENGINE_MODULES:
             item.add_marker(pytest.mark.engines)
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow_modules)  # stable: the rest keep their order
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ from router.security import ClientCredentials, ServerTLS, TokenTable
 from router.server import FrontDoorConfig, RouterServer
 from vllm_engine.config import EngineSizing
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 GENERATE_TOKEN = "gen-" + "g" * 28
 ADMIN_TOKEN = "adm-" + "a" * 28
 MAX_IN_FLIGHT, MAX_QUEUE = 4, 4

@@ -16,6 +16,8 @@ from reference import assert_matches, collect, make_request
 
 from controller.deployment import Deployment, DeploymentConfig
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def deployment(ray_cluster, engine_config, reference):

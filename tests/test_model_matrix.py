@@ -32,6 +32,8 @@ from vllm_engine.config import EngineConfig, EngineSizing
 from vllm_engine.sizing import ModelShape, plan_for
 from vllm_engine.tiny_models import ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 ARCHITECTURES = ("qwen3", "qwen3_5_moe", "nemotron_h", "gemma3")
 # Several 128-token blocks (two of NemotronH's 384) and far past a 128-token window.
 PROMPT_TOKENS = 800

@@ -36,6 +36,8 @@ from reference import (
 from kv_transfer.connector_config import TransferConfig
 from messages.requests import GenerateRequest, SamplingConfig
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 TURNS = 4
 QUESTION = 60  # tokens a conversation's user adds per turn
 SCAN_TOKENS = 2150  # of the lesson, read to find where its continuations are decisive

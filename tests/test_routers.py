@@ -25,6 +25,8 @@ from messages.membership import Lifecycle
 from messages.results import FEED_TIMEOUT_S
 from router.client import build_request
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 LEASE_S = 6
 LONG = 2000  # tokens: a stream that outlives the test unless it is aborted
 

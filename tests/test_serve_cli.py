@@ -17,9 +17,12 @@ import time
 import urllib.request
 
 import psutil
+import pytest
 from conftest import run, stream_tokens
 from listeners import not_rays
 from reference import MAX_TOKENS, PROMPTS, assert_matches
+
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
 
 
 def _free_port() -> int:

@@ -24,6 +24,8 @@ from controller.deployment import Deployment, DeploymentConfig
 from vllm_engine.config import EngineSizing
 from vllm_engine.sizing import DTYPE_BYTES, ssm_state_dtype
 
+pytestmark = pytest.mark.slow  # a long module: run early (tests/conftest.py)
+
 TP2 = EngineSizing(tensor_parallel_size=2)
 
 
