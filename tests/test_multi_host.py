@@ -4,10 +4,11 @@ A Ray head (the routers) and worker nodes (one prefill host, two decode hosts) o
 hosts of one bridge (tests/sandbox.py's `BridgedHosts`). A transfer crosses a real (virtual)
 link, and UCX's own protocol report says which transport it took. Then, under bounded load,
 one fault at a time: packet loss and a bandwidth cap on the prefill <-> decode links, those
-links down for 5 s mid-transfer, the controller killed, a decode host cut off from the
-router, a decode host lost, the prefill host lost. For each: every request completes or ends with a retriable status
-before its deadline, no engine keeps blocks afterwards, and the time until a new request
-succeeds. The table is printed (docs/operations.md holds a run's figures).
+links down for 5 s as the requests arrive (every handoff's READ meets it), the prefill host
+lost as they arrive, and, once every request streams, the controller killed, a decode host
+cut off from the router, a decode host lost. For each: every request completes or ends
+with a retriable status before its deadline, no engine keeps blocks afterwards, and the time
+until a new request succeeds. The table is printed (docs/operations.md holds a run's figures).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import pytest
 from conftest import wait_until
@@ -41,11 +43,12 @@ SHARED_MEMORY_TRANSPORTS = ("cma", "posix", "sysv", "xpmem", "knem", "self")
 # blocks and the DeltaNet state to move, all in flight at once.
 LOAD_REQUESTS = 4
 LOAD_PROMPT_TOKENS = 300
-LOAD_MAX_TOKENS = 32
+LOAD_MAX_TOKENS = 128  # streams long enough that a fault made once they stream lands mid-stream
 # Serve's own bounds for a stalled pull or stream; a request not done by the client's
 # deadline counts as hung.
 TRANSFER_TIMEOUT_S = 8
 STALL_TIMEOUT_S = 8
+LINK_DOWN_S = 5
 CLIENT_DEADLINE_S = 60
 RETRIABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
 REPLY = "@@ "  # the driver's answer lines (Ray and grpc may print too)
@@ -86,24 +89,30 @@ def start_cluster(hosts: BridgedHosts, workers: dict[str, str]) -> None:
 # ---- the driver: runs on the head, answers one JSON command per stdin line ------------------
 
 
-async def _generate(target: str, prompt: list[int], max_tokens: int) -> dict:
+async def _generate(target: str, prompt: list[int], max_tokens: int, streamed: list[int] | None = None) -> dict:
+    """One generation; `streamed`, if given, is a one-element list kept at the tokens received
+    so far (-1 once the call has ended)."""
     import grpc
 
     from router.client import build_request, stream_generate
 
     start, tokens, final = time.monotonic(), [], None
+    streamed = streamed if streamed is not None else [0]
     try:
         async with grpc.aio.insecure_channel(target) as channel:
             request = build_request(prompt, max_tokens=max_tokens, ignore_eos=True)
             async for response in stream_generate(channel, request, timeout_s=CLIENT_DEADLINE_S):
                 if response.HasField("chunk"):
                     tokens.extend(response.chunk.token_ids)
+                    streamed[0] = len(tokens)
                 else:
                     final = response.final
         status = "OK" if len(tokens) == max_tokens and final is not None else f"SHORT({len(tokens)})"
         detail = ""
     except grpc.aio.AioRpcError as error:
         status, detail = error.code().name, error.details()
+    finally:
+        streamed[0] = -1
     return {
         "status": status,
         "detail": detail,
@@ -140,7 +149,8 @@ def _engine_loads() -> dict:
 
 def drive(target: str, ray_address: str) -> None:
     """Commands: {"do": "start", "offset": N} starts LOAD_REQUESTS generations in the
-    background; {"do": "results"} waits for them; {"do": "generate", "prompt_file": F,
+    background; {"do": "streaming"} answers once each has streamed a token or ended, with
+    how many are streaming; {"do": "results"} waits for them; {"do": "generate", "prompt_file": F,
     "max_tokens": N} runs one; {"do": "controller_host"} is the controller's node address;
     {"do": "kill_controller"} kills the controller actor (Ray restarts it); {"do": "loads"}
     reports the engines."""
@@ -151,9 +161,10 @@ def drive(target: str, ray_address: str) -> None:
 
     def start(offset: int) -> None:
         prompts = [list(prompt_of(7, offset + i, LOAD_PROMPT_TOKENS)) for i in range(LOAD_REQUESTS)]
+        background["streamed"] = streamed = [[0] for _ in prompts]
 
         async def all_of() -> list[dict]:
-            return await asyncio.gather(*(_generate(target, p, LOAD_MAX_TOKENS) for p in prompts))
+            return await asyncio.gather(*(_generate(target, p, LOAD_MAX_TOKENS, n) for p, n in zip(prompts, streamed)))
 
         thread = threading.Thread(target=lambda: background.update(results=asyncio.run(all_of())))
         thread.start()
@@ -164,6 +175,12 @@ def drive(target: str, ray_address: str) -> None:
         if command["do"] == "start":
             start(command["offset"])
             answer: object = {}
+        elif command["do"] == "streaming":
+            counts = background["streamed"]
+            deadline = time.monotonic() + CLIENT_DEADLINE_S
+            while any(n == [0] for n in counts) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            answer = {"streaming": sum(n[0] > 0 for n in counts)}
         elif command["do"] == "results":
             background.pop("thread").join()
             answer = background.pop("results")
@@ -343,31 +360,38 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     def between_prefill_and_decode(percent: int):
         return lambda: [hosts.drop("prefill", d, percent) for d in DECODE_HOSTS]
 
+    def once_streaming(fault) -> Callable[[], None]:
+        """Make `fault` once every request streams (each has its prompt prefilled and moved):
+        a fixed delay lands after the requests are done on a fast box."""
+
+        def when() -> None:
+            assert driver.ask(do="streaming")["streaming"] == LOAD_REQUESTS, "a request ended before the fault"
+            fault()
+
+        return when
+
     under_load("none")
     engines = {name: e["pid"] for name, e in driver.ask(do="loads").items()}
-    under_load("controller killed", during=lambda: (time.sleep(0.5), driver.ask(do="kill_controller")))
+    under_load("controller killed", during=once_streaming(lambda: driver.ask(do="kill_controller")))
     # Ray restarted the controller, which adopted the engines it had: none was started anew.
     assert {name: e["pid"] for name, e in driver.ask(do="loads").items()} == engines
     assert driver.ask(do="controller_host") == head
     under_load("1% loss, prefill <-> decode", before=between_prefill_and_decode(1))
     under_load("5% loss, prefill <-> decode", before=between_prefill_and_decode(5))
     under_load("decode links capped at 1 Gbit/s", before=lambda: [hosts.cap(d, "1gbit") for d in DECODE_HOSTS])
-
-    def link_down() -> None:
-        time.sleep(0.3)
-        between_prefill_and_decode(100)()
-        time.sleep(5)
-        hosts.heal()
-
-    under_load("prefill <-> decode down 5 s mid-transfer", during=link_down)
-
-    def cut_from_router() -> None:
-        time.sleep(0.5)
-        hosts.drop("head", "decode-a", 100)
-
-    under_load("decode-a cut off from the router (still reaches prefill)", during=cut_from_router)
-    under_load("decode-a lost", during=lambda: (time.sleep(0.5), hosts.lose("decode-a")))
-    under_load("prefill host lost", during=lambda: (time.sleep(0.3), hosts.lose("prefill")))
+    # Down as the requests arrive, so every handoff's READ meets the dead link (TCP holds the
+    # connection made at start-up); up again after LINK_DOWN_S, inside the transfer timeout.
+    down = under_load(
+        f"prefill <-> decode down {LINK_DOWN_S} s as requests arrive",
+        before=between_prefill_and_decode(100),
+        during=lambda: (time.sleep(LINK_DOWN_S), hosts.heal()),
+    )
+    assert down.slowest_s >= LINK_DOWN_S - 1, "no request waited for the link"
+    cut = once_streaming(lambda: hosts.drop("head", "decode-a", 100))
+    under_load("decode-a cut off from the router (still reaches prefill)", during=cut)
+    under_load("decode-a lost", during=once_streaming(lambda: hosts.lose("decode-a")))
+    # At once: the prompts are then being routed to prefill or prefilled there.
+    under_load("prefill host lost", during=lambda: hosts.lose("prefill"))
 
     print("| fault | outcomes | slowest (s) | recovered (s) | idle (s) |")
     print("\n".join(run.row() for run in runs))
