@@ -38,6 +38,7 @@ class RouterTier:
         slotted = ray.cluster_resources().get(ROUTER_RESOURCE, 0) > 0
         self._placement: dict[str, Any] = {"resources": {ROUTER_RESOURCE: 1}} if slotted else {}
         self.routers: dict[int, tuple[Any, RouterAddresses]] = {}  # slot -> actor, addresses
+        self._names: dict[int, str] = {}  # slot -> the router's name, as the controller knows it
         self._started = 0
         self._watch: asyncio.Task[None] | None = None
 
@@ -69,22 +70,34 @@ class RouterTier:
                 f"for every router (`ray status`)? Run fewer --routers or declare more slots"
             ) from None
         self.routers[slot] = (actor, addresses)
+        self._names[slot] = name
         log.info("%s serves gRPC on %s", name, addresses.grpc)
         return addresses
 
     async def _keep_count(self) -> None:
         while True:
             await asyncio.sleep(self._check_interval_s)
-            for slot, (actor, _) in list(self.routers.items()):
-                try:
-                    await asyncio.wait_for(actor.pid.remote(), 10)
-                except (ray.exceptions.RayActorError, TimeoutError):
-                    log.warning("router in slot %d is gone: starting one in its place", slot)
-                    del self.routers[slot]
+            for slot in range(self._settings.tier_size):
+                if slot in self.routers:
                     try:
-                        await self._add(slot)
-                    except Exception:
-                        log.exception("could not start a replacement router; retrying")
+                        await asyncio.wait_for(self.routers[slot][0].pid.remote(), 10)
+                        continue
+                    except (ray.exceptions.RayActorError, TimeoutError):
+                        log.warning("router in slot %d is gone: starting one in its place", slot)
+                        del self.routers[slot]
+                        await self._forget(self._names.pop(slot))
+                try:  # a slot whose last start failed is tried again here
+                    await self._add(slot)
+                except Exception:
+                    log.exception("could not start a router in slot %d; retrying", slot)
+
+    async def _forget(self, name: str) -> None:
+        """A dead router drained nothing: tell the controller it left, so its admission share
+        is free now (not when it expires) and its metrics target is no longer listed."""
+        try:
+            await asyncio.wait_for(self._controller.router_left.remote(name), 10)
+        except Exception as err:  # restarting: the share still expires, the target stays listed
+            log.warning("could not tell the controller that %s left: %r", name, err)
 
     async def drain(self, timeout_s: float) -> bool:
         """Every router stops admitting and lets its streams finish; True if all did in time."""

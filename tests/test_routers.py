@@ -447,3 +447,41 @@ def test_four_routers_hold_the_tiers_admission_limits_under_a_burst(ray_cluster,
     print(f"taken {taken} of 60 (tier limit {limit}, overshoot {taken / limit - 1:+.0%}):", sorted(set(outcomes)))
     assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
     assert limit // 2 <= taken <= limit * 1.1, outcomes
+
+
+def test_the_tier_replaces_a_killed_router_and_the_controller_forgets_it_at_once(ray_cluster, controller, model_path):
+    """`pdserve serve --routers 2`'s tier: a router SIGKILLed (it drains nothing and says
+    nothing) is replaced in its slot, and the tier tells the controller it left, so its
+    admission share and its metrics target go at once, not when its share expires (5 s);
+    the replacement serves."""
+    from router.tier import RouterTier
+
+    async def known(name: str) -> tuple[bool, bool]:
+        """Whether the controller still holds `name`'s admission share, and lists its metrics."""
+        return await controller.__ray_call__.remote(lambda c: (name in c._admission._holdings, name in c._targets))
+
+    async def scenario() -> tuple[bool, bool, list[int]]:
+        tier = RouterTier(controller, _settings(model_path), check_interval_s=0.3)
+        try:
+            await tier.start(2)
+            victim, _ = tier.routers[0]
+            await asyncio.sleep(1)  # a few views: both routers hold a share
+            assert (await known("router-0"))[0] and (await known("router-1"))[0]
+            os.kill(await victim.pid.remote(), signal.SIGKILL)
+            killed = time.monotonic()
+            while (await known("router-0"))[0] and time.monotonic() - killed < 3:
+                await asyncio.sleep(0.1)
+            forgotten = not any(await known("router-0")) and time.monotonic() - killed < 3
+            while 0 not in tier.routers or tier.routers[0][0] is victim:
+                assert time.monotonic() - killed < 60, "no router took slot 0"
+                await asyncio.sleep(0.2)
+            async with grpc.aio.insecure_channel(tier.routers[0][1].grpc) as channel:
+                request = build_request(list(PROMPTS["short"]), "replacement", max_tokens=8, ignore_eos=True)
+                tokens, _, _ = await stream_tokens(channel, request, timeout_s=60)
+            return forgotten, (await known("router-2"))[0], tokens
+        finally:
+            await tier.drain(30)
+
+    forgotten, replacement_holds_a_share, tokens = run(scenario())
+    assert forgotten, "the controller still counted the killed router 3 s later"
+    assert replacement_holds_a_share and len(tokens) == 8
