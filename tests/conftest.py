@@ -20,8 +20,9 @@ ENGINE_MODULES = frozenset(
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test that starts an engine `engines` (`make test-fast` runs the others), and
-    put the modules holding `slow` tests first: with two workers (`make test`) the long modules
-    then start early and the short ones fill in at the end, so both workers finish together."""
+    put the modules holding `slow` tests first, so that with two workers (`make test`) no long
+    module is left to run alone at the end (xdist's own order, by number of tests, puts the
+    one-test multi-host and `ray up` modules last)."""
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
         if "ray_cluster" in getattr(item, "fixturenames", ()) or module in ENGINE_MODULES:
