@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from pathlib import Path
 import grpc
 
 from bench.loadgen import LengthProfile, LoadConfig, RequestRecord, run_workload, synthetic_workload
+from bench.server_process import ServerProcess
 from messages.timings import SLO, percentile
 from planner.trace import RequestSpec
 
@@ -110,12 +110,12 @@ class _Served:
             ]
         self.log = tempfile.NamedTemporaryFile("w+", prefix=f"planner-live-{self.label}-", suffix=".log")
         print(f"starting pdserve serve ({self.label}, {args.prefill}P:{args.decode}D) ...", file=sys.stderr, flush=True)
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=self.log, start_new_session=True)
+        self.server = ServerProcess(command, self.log)
 
     def wait_serving(self, timeout_s: float = 300) -> None:
         deadline = time.monotonic() + timeout_s
         while "serving pdserve.v1.Generation" not in Path(self.log.name).read_text():
-            if self.process.poll() is not None or time.monotonic() > deadline:
+            if self.server.exited or time.monotonic() > deadline:
                 raise RuntimeError(f"pdserve serve did not come up:\n{Path(self.log.name).read_text()[-2000:]}")
             time.sleep(1)
 
@@ -123,11 +123,7 @@ class _Served:
         return [line for line in Path(self.log.name).read_text().splitlines() if line.startswith("planner ")]
 
     def stop(self) -> None:
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self.server.stop(signal.SIGTERM, timeout_s=90)
 
 
 async def _drive(target: str, specs: list[RequestSpec], args: argparse.Namespace) -> list[RequestRecord]:

@@ -27,9 +27,7 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,6 +40,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.loadgen import LengthProfile, LoadConfig, run_workload, synthetic_workload
+from bench.server_process import ServerProcess
 from messages.timings import LatencySummary
 
 
@@ -192,10 +191,8 @@ class _Server:
         env = dict(os.environ) | ({"RAY_worker_niceness": niceness} if niceness is not None else {})
         print(f"starting pdserve serve ({args.prefill}P + {args.decode}D, {self.label}) ...", file=sys.stderr)
         # Ray's workers import from the driver's sys.path, whose first entry is its cwd.
-        self.process = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True, env=env, cwd=tree
-        )
-        self.serve = psutil.Process(self.process.pid)
+        self.server = ServerProcess(command, env=env, cwd=tree)
+        self.serve = psutil.Process(self.server.pid)
         self.routers: list[psutil.Process] = []
         self.decode: list[psutil.Process] = []
         self.expected = {"RouterActor": routers, "DecodeActor": args.decode}
@@ -248,11 +245,7 @@ class _Server:
         await asyncio.gather(*(channel.close() for channel in self.channels))
         if self.cap is not None:
             self.cap.release()
-        os.killpg(self.process.pid, signal.SIGINT)  # serve shuts its cluster down
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
+        self.server.stop()  # SIGINT: serve shuts its cluster down
         self._sd_dir.cleanup()
 
 

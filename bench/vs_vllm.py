@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.server_process import ServerProcess, stop_all
 from messages.timings import SLO, LatencySummary, percentile
 from vllm_engine.config import EMBEDDED_MODEL, resolve_model
 
@@ -74,7 +74,7 @@ def _import_first(tree: Path) -> dict[str, str]:
 
 
 class _System:
-    """Server processes behind one or more base URLs; stopped with their whole session."""
+    """Server processes behind one or more base URLs."""
 
     def __init__(
         self, name: str, commands: list[tuple[list[str], dict[str, str], str]], cwd: Path | None = None
@@ -88,15 +88,8 @@ class _System:
         prefix = "vs-vllm-" + "".join(c if c.isalnum() or c in "+." else "-" for c in name) + "-"
         self._log = tempfile.NamedTemporaryFile(prefix=prefix, suffix=".log", delete=False)
         print(f"starting {name} (log: {self._log.name}) ...", file=sys.stderr)
-        self._processes = [
-            subprocess.Popen(
-                command,
-                env={**os.environ, **env, **(_import_first(cwd) if cwd else {})},
-                stdout=self._log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                cwd=cwd,
-            )
+        self._servers = [
+            ServerProcess(command, self._log, {**os.environ, **env, **(_import_first(cwd) if cwd else {})}, cwd)
             for command, env, _ in commands
         ]
 
@@ -104,7 +97,7 @@ class _System:
         deadline = time.monotonic() + timeout_s
         for url in self.urls:
             while True:
-                if any(p.poll() is not None for p in self._processes):
+                if any(server.exited for server in self._servers):
                     taken = "Address already in use" in Path(self._log.name).read_text(errors="replace")
                     error = PortTakenError if taken else RuntimeError
                     raise error(f"{self.name} exited during start-up: see {self._log.name}")
@@ -118,14 +111,7 @@ class _System:
                 time.sleep(1)
 
     def stop(self) -> None:
-        for p in self._processes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGINT)
-        for p in self._processes:
-            try:
-                p.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
+        stop_all(self._servers)
 
 
 def stock_vllm(model: str, cores: list[int], kv_cache_bytes: int, flags: tuple[str, ...] = ()) -> _System:

@@ -68,6 +68,6 @@ def test_a_system_from_another_checkout_imports_every_package_from_it(tmp_path: 
     (package / "torchvision_shim.py").write_text("def install():\n    pass\n")
     probe = [sys.executable, "-c", "import vllm_engine; print('loaded', vllm_engine.__file__)"]
     system = _System("probe", [(probe, {}, "http://127.0.0.1:1")], cwd=tmp_path)
-    system._processes[0].wait(60)
+    system._servers[0].wait(60)
     system.stop()
     assert f"loaded {package / '__init__.py'}" in Path(system._log.name).read_text()
