@@ -30,7 +30,10 @@ where the choice is which decode engine holds the conversation; reported per sys
 later turns' TTFT p50/p90, their cached share, and the bytes NIXL moved into the decode engines
 per later turn against what handing off their whole prompts moves (target <= 0.3).
 
-    python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--smg PATH]
+`--rounds N` runs every system N times in turn, each from a fresh start (this box drifts by
+tens of percent over minutes); each ratio is then taken within a round, the median first.
+
+    python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--rounds 3] [--smg PATH]
     python -m bench.prefix_reuse --trace chat [--rate 0.5 1] [--smg PATH]
     python -m bench.prefix_reuse --trace chat-handoff [--rate 0.5 1]
 """
@@ -47,6 +50,7 @@ import os
 import random
 import re
 import shutil
+import statistics
 import sys
 import time
 import uuid
@@ -454,9 +458,12 @@ class Row:
     # Conversations: TTFT of the turns after each one's first, which can reuse its history.
     later_ttft_p50_ms: float | None = None
     later_ttft_p90_ms: float | None = None
+    round: int | None = None  # of --rounds, where there are several
 
     @classmethod
-    def of(cls, system: str, report: RunReport, index_within_5pct: float | None, trace: Trace) -> "Row":
+    def of(
+        cls, system: str, report: RunReport, index_within_5pct: float | None, trace: Trace, round_: int | None = None
+    ) -> "Row":
         s = report.summary
         done = [r for r in report.requests if r.completed]
         prompt = sum(r.prompt_tokens for r in done)
@@ -474,12 +481,14 @@ class Row:
             unit=trace.unit,
             later_ttft_p50_ms=_ms(later.p50),
             later_ttft_p90_ms=_ms(later.p90),
+            round=round_,
         )
 
     def line(self) -> str:
         return (
             f"{self.system:<34} {self.rate:>4g} {self.unit}"
-            f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
+            + ("" if self.round is None else f" (round {self.round})")
+            + f" | TTFT p50/p90 {_fmt(self.ttft_p50_ms)}/{_fmt(self.ttft_p90_ms)} ms"
             + ("" if self.later_ttft_p50_ms is None else
                f" (later turns {_fmt(self.later_ttft_p50_ms)}/{_fmt(self.later_ttft_p90_ms)} ms)")
             + f" | ITL p90 {_fmt(self.itl_p90_ms)} ms"
@@ -714,6 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--pdserve-flags", default="", help="more `pdserve serve` flags for every pdserve system, e.g. a routing weight"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, in turn, each from a fresh start: this box's drift over minutes "
+        "then lands on every system alike; ratios are taken within each round",
+    )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
@@ -748,49 +764,70 @@ def main(argv: list[str] | None = None) -> int:
             f"{trace.question_tokens}-token questions, {trace.output_tokens} tokens out"
         )
     args.rate = args.rate or ([0.5, 1.0] if isinstance(trace, ChatTrace) else [1.0, 2.0, 4.0])
-    series: dict[str, list[RunReport]] = {}
+    rounds: list[dict[str, list[RunReport]]] = []
     rows: list[Row] = []
-    for served in chosen.values():
-        print(f"== {served.label}", file=sys.stderr, flush=True)
-        with serving(served, args) as endpoint:
-            runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
-        series[served.label] = [report for report, _ in runs]
-        rows += [Row.of(served.label, report, within, trace) for report, within in runs]
-    write_json(args.out, {"trace": shape, "rows": [asdict(r) for r in rows]})
-    plot_cdfs(series, args.out.with_name(f"{args.out.stem}_cdf.png"))
-    plot_goodput(series, args.out.with_name(f"{args.out.stem}_goodput.png"))
+    several = args.rounds > 1
+    for round_ in range(1, args.rounds + 1):
+        series: dict[str, list[RunReport]] = {}
+        for served in chosen.values():
+            print(f"== {served.label}" + (f", round {round_} of {args.rounds}" if several else ""), file=sys.stderr)
+            with serving(served, args) as endpoint:
+                runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
+            series[served.label] = [report for report, _ in runs]
+            number = round_ if several else None
+            rows += [Row.of(served.label, report, within, trace, number) for report, within in runs]
+        rounds.append(series)
+    write_json(args.out, {"trace": shape, "rounds": args.rounds, "rows": [asdict(r) for r in rows]})
+    plot_cdfs(rounds[0], args.out.with_name(f"{args.out.stem}_cdf.png"))
+    plot_goodput(rounds[0], args.out.with_name(f"{args.out.stem}_goodput.png"))
     counted = "" if isinstance(trace, ChatTrace) else f", {args.num_requests} requests per rate"
     print(f"{shape}{counted}; SLO TTFT <= {args.ttft_slo:g} s, ITL {args.itl_stat} <= {args.itl_slo * 1e3:g} ms")
     for row in rows:
         print(row.line())
-    _print_ratios(series, chosen, trace.unit)
-    print(f"results: {args.out}")
+    _print_ratios(rounds, chosen, trace.unit)
+    print(f"results: {args.out}" + (" (plots: round 1)" if several else ""))
     return 0
 
 
-def _print_ratios(series: dict[str, list[RunReport]], chosen: dict[str, Served], unit: str) -> None:
-    """Per rate: pdserve cache-aware against cache-blind and against the best stock setup;
-    then the rates at which each system kept >= 90% of requests in SLO."""
+def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Served], unit: str) -> None:
+    """Per rate: pdserve cache-aware against cache-blind and against the best stock setup, each
+    round's ratio taken within the round (the median over rounds first); then the rates at which
+    each system kept >= 90% of requests in SLO."""
     labels = {key: served.label for key, served in chosen.items()}
-    stock = [series[label] for key, label in labels.items() if key.startswith("smg")]
+    stock_labels = [label for key, label in labels.items() if key.startswith("smg")]
     for key in ("aware", "aware-1p1d", "local-1p1d"):
         if key not in labels:
             continue
-        for i, mine in enumerate(series[labels[key]]):
+        for i, mine in enumerate(rounds[0][labels[key]]):
             parts = [f"{labels[key]} at {mine.rate:g} {unit}: TTFT p50"]
             if key == "aware" and "blind" in labels:  # the same colocated engines, routed blind
-                parts.append(f"/ cache-blind {_ratio(mine, series[labels['blind']][i]):.2f}x (target <= 0.4)")
-            if stock:
-                best = min((runs[i] for runs in stock), key=lambda r: r.summary.ttft_s.p50 or float("inf"))
-                goodput = mine.summary.goodput_rps / max(max(runs[i].summary.goodput_rps for runs in stock), 1e-9)
+                blind = [_ratio(series[labels[key]][i], series[labels["blind"]][i]) for series in rounds]
+                parts.append(f"/ cache-blind {_over_rounds(blind)} (target <= 0.4)")
+            if stock_labels:
+                ttft, goodput = [], []
+                for series in rounds:
+                    ours, stock = series[labels[key]][i], [series[label][i] for label in stock_labels]
+                    ttft.append(_ratio(ours, min(stock, key=lambda r: r.summary.ttft_s.p50 or float("inf"))))
+                    goodput.append(ours.summary.goodput_rps / max(max(r.summary.goodput_rps for r in stock), 1e-9))
                 parts.append(
-                    f"/ best stock ({best.label.rsplit(' ', 2)[0]}) {_ratio(mine, best):.2f}x (target <= 1.0); "
-                    f"goodput / the best stock goodput {goodput:.2f}x (target >= 1.0)"
+                    f"/ best stock {_over_rounds(ttft)} (target <= 1.0); "
+                    f"goodput / the best stock goodput {_over_rounds(goodput)} (target >= 1.0)"
                 )
             print(" ".join(parts))
-    for label, runs in series.items():  # every rate, not the highest alone: attainment need not fall monotonically
-        kept = ", ".join(f"{r.rate:g}" for r in runs if r.rate is not None and r.summary.slo_attainment >= 0.9)
-        print(f"{label}: >= 90% in SLO at {f'{kept} {unit}' if kept else 'none of the rates run'}")
+    for label in rounds[0]:  # every rate, not the highest alone: attainment need not fall monotonically
+        kept = [
+            ", ".join(f"{r.rate:g}" for r in series[label] if r.rate is not None and r.summary.slo_attainment >= 0.9)
+            for series in rounds
+        ]
+        said = " / ".join(f"{k} {unit}" if k else "none of the rates run" for k in kept)
+        print(f"{label}: >= 90% in SLO at {said}" + (" (per round)" if len(rounds) > 1 else ""))
+
+
+def _over_rounds(ratios: list[float]) -> str:
+    """One ratio, or the median of several rounds' with each round's."""
+    if len(ratios) == 1:
+        return f"{ratios[0]:.2f}x"
+    return f"{statistics.median(ratios):.2f}x (rounds {', '.join(f'{r:.2f}' for r in ratios)})"
 
 
 def _chat_handoff(model: str, trace: ChatTrace, rates: list[float], args: argparse.Namespace) -> int:

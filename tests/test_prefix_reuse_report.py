@@ -1,0 +1,36 @@
+"""bench/prefix_reuse.py's report: ratios taken within each round of `--rounds`, the median first."""
+
+from bench.loadgen import RequestRecord, RunReport, summarize
+from bench.prefix_reuse import SERVED_SYSTEMS, _print_ratios
+from messages.timings import SLO
+
+SLO_ = SLO(1.0, 0.05)
+
+
+def _report(label: str, rate: float, ttft_s: float) -> RunReport:
+    """Four requests one second apart, each with this TTFT and two more tokens 10 ms apart."""
+    times = (ttft_s, ttft_s + 0.01, ttft_s + 0.02)
+    records = [RequestRecord(i, 100, 3, float(i), float(i), times, times[-1], "length", "") for i in range(4)]
+    return RunReport(label, rate, SLO_, summarize(records, SLO_), records)
+
+
+def test_ratios_are_taken_within_each_round_and_their_median_comes_first(capsys):
+    chosen = {key: SERVED_SYSTEMS[key] for key in ("aware", "blind", "smg-aware", "smg-rr")}
+    aware, blind, smg_aware, smg_rr = (served.label for served in chosen.values())
+    # Round 2 runs every system twice as slow (the box drifted): its ratios are round 1's.
+    ttfts = {aware: 0.030, blind: 0.060, smg_aware: 0.040, smg_rr: 0.050}
+    rounds = [{label: [_report(label, 4.0, t * slow)] for label, t in ttfts.items()} for slow in (1, 2, 1)]
+    rounds[2][aware] = [_report(aware, 4.0, 0.045)]  # round 3: aware alone slower
+    _print_ratios(rounds, chosen, "req/s")
+    out = capsys.readouterr().out
+    assert "/ cache-blind 0.50x (rounds 0.50, 0.50, 0.75)" in out
+    assert "/ best stock 0.75x (rounds 0.75, 0.75, 1.12)" in out
+    assert f"{aware}: >= 90% in SLO at 4 req/s / 4 req/s / 4 req/s (per round)" in out
+
+
+def test_one_round_reports_plain_ratios(capsys):
+    chosen = {key: SERVED_SYSTEMS[key] for key in ("aware", "smg-rr")}
+    aware, smg_rr = (served.label for served in chosen.values())
+    _print_ratios([{aware: [_report(aware, 2.0, 0.03)], smg_rr: [_report(smg_rr, 2.0, 0.06)]}], chosen, "req/s")
+    out = capsys.readouterr().out
+    assert "/ best stock 0.50x (target <= 1.0)" in out and "rounds" not in out
