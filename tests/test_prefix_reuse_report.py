@@ -11,7 +11,7 @@ def _report(label: str, rate: float, ttft_s: float) -> RunReport:
     """Four requests one second apart, each with this TTFT and two more tokens 10 ms apart."""
     times = (ttft_s, ttft_s + 0.01, ttft_s + 0.02)
     records = [RequestRecord(i, 100, 3, float(i), float(i), times, times[-1], "length", "") for i in range(4)]
-    return RunReport(label, rate, SLO_, summarize(records, SLO_), records)
+    return RunReport(f"{label} {rate:g} req/s", rate, SLO_, summarize(records, SLO_), records)  # as run_served labels
 
 
 def test_ratios_are_taken_within_each_round_and_their_median_comes_first(capsys):
@@ -24,7 +24,7 @@ def test_ratios_are_taken_within_each_round_and_their_median_comes_first(capsys)
     _print_ratios(rounds, chosen, "req/s")
     out = capsys.readouterr().out
     assert "/ cache-blind 0.50x (rounds 0.50, 0.50, 0.75)" in out
-    assert "/ best stock 0.75x (rounds 0.75, 0.75, 1.12)" in out
+    assert f"/ best stock ({smg_aware}) 0.75x (rounds 0.75, 0.75, 1.12)" in out
     assert f"{aware}: >= 90% in SLO at 4 req/s / 4 req/s / 4 req/s (per round)" in out
 
 
@@ -33,4 +33,15 @@ def test_one_round_reports_plain_ratios(capsys):
     aware, smg_rr = (served.label for served in chosen.values())
     _print_ratios([{aware: [_report(aware, 2.0, 0.03)], smg_rr: [_report(smg_rr, 2.0, 0.06)]}], chosen, "req/s")
     out = capsys.readouterr().out
-    assert "/ best stock 0.50x (target <= 1.0)" in out and "rounds" not in out
+    assert f"/ best stock ({smg_rr}) 0.50x (target <= 1.0)" in out and "rounds" not in out
+
+
+def test_a_best_stock_setup_that_changes_between_rounds_is_said_so(capsys):
+    chosen = {key: SERVED_SYSTEMS[key] for key in ("aware", "smg-aware", "smg-rr")}
+    aware, smg_aware, smg_rr = (served.label for served in chosen.values())
+    rounds = [
+        {aware: [_report(aware, 2.0, 0.03)], smg_aware: [_report(smg_aware, 2.0, a)], smg_rr: [_report(smg_rr, 2.0, r)]}
+        for a, r in ((0.04, 0.06), (0.06, 0.04))
+    ]
+    _print_ratios(rounds, chosen, "req/s")
+    assert "/ best stock (the faster in each round) 0.75x (rounds 0.75, 0.75)" in capsys.readouterr().out
