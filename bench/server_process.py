@@ -4,11 +4,13 @@ Each server runs in a session of its own, so a Ctrl-C meant for the benchmark do
 it half-way through a measurement; the benchmark stops it, with its whole process group (a
 `pdserve serve` and its Ray cluster, a vLLM server and its engine core), from a `finally`.
 A SIGTERM would end the benchmark without running those: the first server started makes
-SIGTERM raise SystemExit instead, so they run and no server outlives the benchmark.
+SIGTERM raise SystemExit instead, and at exit every server not stopped yet is stopped (a
+signal can land between a server's start and the `try` that would stop it).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import subprocess
@@ -30,6 +32,7 @@ class ServerProcess:
         self._process = subprocess.Popen(
             list(command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
         )
+        _running.add(self)
 
     @property
     def pid(self) -> int:
@@ -68,6 +71,16 @@ def stop_all(servers: Sequence[ServerProcess], sig: signal.Signals = signal.SIGI
             server._signal_group(sig)
     for server in servers:
         server._wait_or_kill(timeout_s)
+        _running.discard(server)
+
+
+# Started and not stopped yet: what the exit hook stops.
+_running: set[ServerProcess] = set()
+
+
+@atexit.register
+def _stop_the_rest() -> None:
+    stop_all(list(_running), timeout_s=30)
 
 
 def _exit_on_sigterm() -> None:
