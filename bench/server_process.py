@@ -30,7 +30,13 @@ class ServerProcess:
         """`log`: where its stdout and stderr go (a file, or subprocess.DEVNULL)."""
         _exit_on_sigterm()
         self._process = subprocess.Popen(
-            list(command), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env, cwd=cwd
+            list(command),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+            cwd=cwd,
+            preexec_fn=_default_sigint,
         )
         _running.add(self)
 
@@ -81,6 +87,14 @@ _running: set[ServerProcess] = set()
 @atexit.register
 def _stop_the_rest() -> None:
     stop_all(list(_running), timeout_s=30)
+
+
+def _default_sigint() -> None:
+    """In the server's process before it starts: SIGINT, the signal it is stopped with, at its
+    default. A benchmark started in the background by a shell, or by a pytest-xdist worker,
+    ignores SIGINT, and an ignored signal stays ignored across exec: the server would then
+    run on until killed."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _exit_on_sigterm() -> None:
