@@ -30,8 +30,9 @@ where the choice is which decode engine holds the conversation; reported per sys
 later turns' TTFT p50/p90, their cached share, and the bytes NIXL moved into the decode engines
 per later turn against what handing off their whole prompts moves (target <= 0.3).
 
-`--rounds N` runs every system N times in turn, each from a fresh start (this box drifts by
-tens of percent over minutes); each ratio is then taken within a round, the median first.
+`--rounds N` runs every system N times in turn, each from a fresh start, every other round in
+reverse order (this box drifts by tens of percent over minutes); each ratio is then taken
+within a round, the median first.
 
     python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--rounds 3] [--smg PATH]
     python -m bench.prefix_reuse --trace chat [--rate 0.5 1] [--smg PATH]
@@ -727,8 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds",
         type=int,
         default=1,
-        help="run every system this many times, in turn, each from a fresh start: this box's drift over minutes "
-        "then lands on every system alike; ratios are taken within each round",
+        help="run every system this many times, in turn, each from a fresh start, every other round in reverse "
+        "order: this box's drift over minutes then lands on every system alike; ratios are taken within each round",
     )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
@@ -769,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
     several = args.rounds > 1
     for round_ in range(1, args.rounds + 1):
         series: dict[str, list[RunReport]] = {}
-        for served in chosen.values():
+        for served in turns(list(chosen.values()), round_):
             print(f"== {served.label}" + (f", round {round_} of {args.rounds}" if several else ""), file=sys.stderr)
             with serving(served, args) as endpoint:
                 runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
@@ -787,6 +788,13 @@ def main(argv: list[str] | None = None) -> int:
     _print_ratios(rounds, chosen, trace.unit)
     print(f"results: {args.out}" + (" (plots: round 1)" if several else ""))
     return 0
+
+
+def turns(systems: list[Served], round_: int) -> list[Served]:
+    """The order systems run in round `round_` (from 1): as given, then reversed, in turn. A
+    drift that builds through a round lands early on one system and late on another; the next
+    round swaps their places, so neither keeps it."""
+    return systems if round_ % 2 else systems[::-1]
 
 
 def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Served], unit: str) -> None:

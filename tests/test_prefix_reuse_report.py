@@ -1,7 +1,7 @@
 """bench/prefix_reuse.py's report: ratios taken within each round of `--rounds`, the median first."""
 
 from bench.loadgen import RequestRecord, RunReport, summarize
-from bench.prefix_reuse import SERVED_SYSTEMS, _print_ratios
+from bench.prefix_reuse import SERVED_SYSTEMS, _print_ratios, turns
 from messages.timings import SLO
 
 SLO_ = SLO(1.0, 0.05)
@@ -45,3 +45,10 @@ def test_a_best_stock_setup_that_changes_between_rounds_is_said_so(capsys):
     ]
     _print_ratios(rounds, chosen, "req/s")
     assert "/ best stock (the faster in each round) 0.75x (rounds 0.75, 0.75)" in capsys.readouterr().out
+
+
+def test_every_other_round_runs_the_systems_in_reverse():
+    systems = [SERVED_SYSTEMS[key] for key in ("aware", "aware-1p1d", "smg-aware")]
+    assert turns(systems, 1) == systems
+    assert turns(systems, 2) == systems[::-1]
+    assert turns(systems, 3) == systems
