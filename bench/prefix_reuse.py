@@ -815,9 +815,9 @@ def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Se
                 ttft, goodput, bests = [], [], set()
                 for series in rounds:
                     ours, stock = series[labels[key]][i], [series[label][i] for label in stock_labels]
-                    best = min(stock, key=lambda r: r.summary.ttft_s.p50 or float("inf"))
-                    bests.add(best.label.rsplit(" ", 2)[0])  # the system, without its rate
-                    ttft.append(_ratio(ours, best))
+                    best = min(stock_labels, key=lambda label: series[label][i].summary.ttft_s.p50 or float("inf"))
+                    bests.add(best)
+                    ttft.append(_ratio(ours, series[best][i]))
                     goodput.append(ours.summary.goodput_rps / max(max(r.summary.goodput_rps for r in stock), 1e-9))
                 best_name = bests.pop() if len(bests) == 1 else "the faster in each round"
                 parts.append(
