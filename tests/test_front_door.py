@@ -10,6 +10,8 @@ import signal
 import time
 
 import grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import pytest
 import ray
 from certificates import write_certificates
@@ -313,7 +315,6 @@ def test_drain_lets_live_streams_finish_and_refuses_new_ones(shared_deployment, 
 
 
 def _hostile_requests():
-    from hypothesis import strategies as st
 
     floats = st.floats(allow_nan=True, allow_infinity=True)
     # max_tokens always set: unset means 64 tokens, and 600 such requests through a decode
@@ -354,7 +355,6 @@ def test_hostile_input_ends_in_a_final_message_or_a_defined_status(door):
     """300 generated requests (3 batches of 100 at once) through the real TLS + token
     server: no crash, no INTERNAL/UNKNOWN, every call ends in a final message or a status
     that says what was wrong; the server serves normally afterwards."""
-    from hypothesis import HealthCheck, given, settings
 
     seen: dict[str, int] = {}
     defined = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}

@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 import httpx
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import openai
 import pytest
 from conftest import ServedStack, _engines_idle, assert_no_blocks_held, wait_until
@@ -140,8 +142,6 @@ def test_hostile_bodies_get_no_5xx_and_the_server_keeps_serving(served):
     """Generated bodies of both endpoints against the real 1P+1D deployment (the fast,
     many-example run is tests/test_openai_edges.py): no 5xx but 503/429, none hangs, and
     the server serves normally afterwards."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
     from test_openai_edges import CHAT, COMPLETIONS, assert_openai_error, bodies
 
     base = f"http://{served.http.address}"
