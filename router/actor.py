@@ -9,6 +9,7 @@ prefill's blocks go back at the end of their lease. A new router can join at any
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 from dataclasses import dataclass
@@ -108,6 +109,11 @@ class RouterActor:
         if s.metrics_port:
             metrics = serve_metrics(s.metrics_host, s.metrics_port)
         await controller.register_router.remote(self._name, metrics)
+        # What the router has loaded by now (vLLM's request models, the tokenizer) lives as long
+        # as it does: frozen, Python's full collections stop walking it, each of which paused
+        # every stream on this router for a few hundred ms (vLLM's engine core does the same).
+        gc.collect()
+        gc.freeze()
         return RouterAddresses(self._server.address, http, metrics)
 
     async def drain(self, timeout_s: float) -> bool:
