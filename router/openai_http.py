@@ -26,13 +26,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
-from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
-from vllm.exceptions import VLLMValidationError
 
 from messages.errors import UNAVAILABLE, DrainingError, InvalidRequestError, OverloadedError
 from messages.requests import STRUCTURED_KINDS, GenerateRequest, SamplingConfig, StructuredOutput
@@ -123,6 +117,8 @@ class OpenAIFront:
 
         @app.get("/v1/models")
         async def models(request: Request) -> Any:
+            from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
+
             self._authorize(request)
             card = ModelCard(
                 id=self.model_name, owned_by="pdserve", max_model_len=self._orchestrator.limits.max_model_len
@@ -131,6 +127,8 @@ class OpenAIFront:
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
+            from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
             self._authorize(request)
             body = self._parse(CompletionRequest, COMPLETIONS, request, await request.body())
             prompt = await self._completion_prompt(body)
@@ -140,6 +138,8 @@ class OpenAIFront:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request) -> Any:
+            from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
             self._authorize(request)
             body = self._parse(ChatCompletionRequest, CHAT, request, await request.body())
             ChatParsing.check(body, self._parser_class, self._parsers)
@@ -152,6 +152,8 @@ class OpenAIFront:
 
         @app.post("/v1/responses")
         async def responses(request: Request) -> Any:
+            from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
+
             self._authorize(request)
             body = self._parse(ResponsesRequest, RESPONSES, request, await request.body())
             chat = as_chat_request(body)
@@ -182,6 +184,9 @@ class OpenAIFront:
         the field (vLLM's own validators raise VLLMValidationError, which pydantic does not
         wrap: unhandled, it was a 500), and so is every field set to something pdserve does
         not do (router/openai_fields.py)."""
+        from pydantic import ValidationError
+        from vllm.exceptions import VLLMValidationError
+
         media = request.headers.get("content-type", "").partition(";")[0].strip().lower()
         if media != "application/json" and not media.endswith("+json"):
             raise HTTPError(
@@ -463,6 +468,8 @@ def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
 def _structured(body: Any) -> StructuredOutput | None:
     """The body's constraint as vLLM reads it (response_format's kind set over structured_outputs':
     vLLM's own extract_structured_outputs), in our terms."""
+    from vllm.exceptions import VLLMValidationError
+
     try:
         params = body.extract_structured_outputs()
     except VLLMValidationError as err:  # structured_outputs and response_format ask for two kinds

@@ -10,34 +10,42 @@ it; chat: the first `top_logprobs` of the engine's dict) and the -9999 floor are
 
 from __future__ import annotations
 
-from inspect import getattr_static
 from typing import Any
-
-from vllm.entrypoints.generate.base.serving import GenerateBaseServing
-from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
-from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
-from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
-from vllm.logprobs import Logprob
 
 from messages.results import TokenChunk
 
 
-class _VLLMFormat:
-    # As declared there (a staticmethod stays one).
-    _get_decoded_token = getattr_static(GenerateBaseServing, "_get_decoded_token")
-    _get_top_logprobs = getattr_static(OpenAIServingChat, "_get_top_logprobs")
-    completion = getattr_static(OpenAIServingCompletion, "_create_completion_logprobs")
-    chat = getattr_static(OpenAIServingChat, "_create_chat_logprobs")
-    _topk_logprobs = getattr_static(OpenAIServingResponses, "_topk_logprobs")
-    responses = getattr_static(OpenAIServingResponses, "_create_response_logprobs")
+def _vllm_format() -> type:
+    from inspect import getattr_static
 
-    def __init__(self, as_token_ids: bool) -> None:
-        self.return_tokens_as_token_ids = as_token_ids
+    from vllm.entrypoints.generate.base.serving import GenerateBaseServing
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    class _VLLMFormat:
+        # As declared there (a staticmethod stays one).
+        _get_decoded_token = getattr_static(GenerateBaseServing, "_get_decoded_token")
+        _get_top_logprobs = getattr_static(OpenAIServingChat, "_get_top_logprobs")
+        completion = getattr_static(OpenAIServingCompletion, "_create_completion_logprobs")
+        chat = getattr_static(OpenAIServingChat, "_create_chat_logprobs")
+        _topk_logprobs = getattr_static(OpenAIServingResponses, "_topk_logprobs")
+        responses = getattr_static(OpenAIServingResponses, "_create_response_logprobs")
+
+        def __init__(self, as_token_ids: bool) -> None:
+            self.return_tokens_as_token_ids = as_token_ids
+
+    return _VLLMFormat
+
+
+_FORMAT: type | None = None
 
 
 def _as_vllm(chunk: TokenChunk) -> list[dict[int, Any]]:
     """The chunk's entries as the engine's dicts: the sampled token first, then the others by
     rank (the order vLLM's formatting counts in; a chunk keeps them best first)."""
+    from vllm.logprobs import Logprob
+
     positions: list[dict[int, Any] | None] = []
     for i, token in enumerate(chunk.token_ids):
         if i >= len(chunk.logprobs):  # none came for it (vLLM's formatting shows null)
@@ -54,6 +62,8 @@ def _as_vllm(chunk: TokenChunk) -> list[dict[int, Any]]:
 def vllm_prompt_logprobs(positions: tuple) -> list[dict[int, Any] | None]:
     """A chunk's prompt logprobs as vLLM's engine gives them (its dict order, its ranks), with
     -inf as -9999.0 (vLLM's clamp_prompt_logprobs: JSON has no infinity)."""
+    from vllm.logprobs import Logprob
+
     return [
         None if entries is None else {t: Logprob(max(lp, -9999.0), rank, text) for t, lp, rank, text in entries}
         for entries in positions
@@ -64,7 +74,9 @@ class LogprobsFormatter:
     """One request's logprobs, chunk by chunk (`top`: the alternatives it asked for)."""
 
     def __init__(self, tokenizer: Any, top: int, as_token_ids: bool) -> None:
-        self._format = _VLLMFormat(bool(as_token_ids))
+        global _FORMAT
+        _FORMAT = _FORMAT or _vllm_format()
+        self._format = _FORMAT(bool(as_token_ids))
         self._tokenizer = tokenizer
         self._top = top
         self._text_offset = 0  # completions: where the next chunk's text starts
