@@ -110,8 +110,8 @@ class RouterActor:
             metrics = serve_metrics(s.metrics_host, s.metrics_port)
         await controller.register_router.remote(self._name, metrics)
         # What the router has loaded by now (vLLM's request models, the tokenizer) lives as long
-        # as it does: frozen, Python's full collections stop walking it, each of which paused
-        # every stream on this router for a few hundred ms (vLLM's engine core does the same).
+        # as it does: frozen, a full collection no longer walks it (hundreds of ms at this size,
+        # with every stream on this router paused); vLLM's engine core freezes its own too.
         gc.collect()
         gc.freeze()
         return RouterAddresses(self._server.address, http, metrics)

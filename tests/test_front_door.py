@@ -315,7 +315,6 @@ def test_drain_lets_live_streams_finish_and_refuses_new_ones(shared_deployment, 
 
 
 def _hostile_requests():
-
     floats = st.floats(allow_nan=True, allow_infinity=True)
     # max_tokens always set: unset means 64 tokens, and 600 such requests through a decode
     # batch of 2 would spend minutes generating (the default is tested on its own).
@@ -355,7 +354,6 @@ def test_hostile_input_ends_in_a_final_message_or_a_defined_status(door):
     """300 generated requests (3 batches of 100 at once) through the real TLS + token
     server: no crash, no INTERNAL/UNKNOWN, every call ends in a final message or a status
     that says what was wrong; the server serves normally afterwards."""
-
     seen: dict[str, int] = {}
     defined = {"INVALID_ARGUMENT", "RESOURCE_EXHAUSTED"}
 

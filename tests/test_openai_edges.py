@@ -306,7 +306,6 @@ def test_chat_echo_repeats_the_assistants_last_words(front):
 def bodies(path: str, model: str = MODEL):
     """Bodies a careless or hostile client sends: a valid request, some of whose fields (and
     some unknown ones) take values of every type, nested, out of range."""
-
     scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=20))
     hostile = st.recursive(
         scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
@@ -388,7 +387,6 @@ def _consistent(body: dict) -> dict:
 def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
     """Hypothesis-generated bodies for the three endpoints: every answer is a 200 or an OpenAI
     error below 500 (the fake engines are never overloaded or down, so no 503/429 either)."""
-
     statuses: dict[int, int] = {}
 
     @settings(max_examples=300, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -398,8 +396,10 @@ def test_no_body_gets_a_5xx_and_the_front_keeps_serving(front):
     def check(case):
         path, body = case
         raw = json.dumps(body, allow_nan=True)
-        if sum(statuses.values()) % 10 == 0:  # one in ten is not JSON at all (a count: hypothesis
-            raw = raw[:-1]  # draws a small integer's low end far more often than its share)
+        # One in ten is not JSON at all, by count: a drawn integer's low end comes far more
+        # often than its share.
+        if sum(statuses.values()) % 10 == 0:
+            raw = raw[:-1]
         response = _post(front, path, raw)
         statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
         if response.status_code != 200:
