@@ -804,8 +804,8 @@ def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Se
     labels = {key: served.label for key, served in chosen.items()}
     stock_labels = [label for key, label in labels.items() if key.startswith("smg")]
     for key in ("aware", "aware-1p1d", "local-1p1d"):
-        if key not in labels:
-            continue
+        if key not in labels or not (stock_labels or (key == "aware" and "blind" in labels)):
+            continue  # nothing to compare it with in this run
         for i, mine in enumerate(rounds[0][labels[key]]):
             parts = [f"{labels[key]} at {mine.rate:g} {unit}: TTFT p50"]
             if key == "aware" and "blind" in labels:  # the same colocated engines, routed blind

@@ -52,3 +52,12 @@ def test_every_other_round_runs_the_systems_in_reverse():
     assert turns(systems, 1) == systems
     assert turns(systems, 2) == systems[::-1]
     assert turns(systems, 3) == systems
+
+
+def test_a_system_run_alone_gets_no_empty_ratio_line(capsys):
+    chosen = {"aware": SERVED_SYSTEMS["aware"]}
+    aware = chosen["aware"].label
+    _print_ratios([{aware: [_report(aware, 2.0, 0.03)]}], chosen, "req/s")
+    out = capsys.readouterr().out
+    assert "TTFT p50" not in out
+    assert f"{aware}: >= 90% in SLO at 2 req/s" in out
