@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,38 @@ def test_state_checkpoints_land_on_whole_blocks(model_path):
     embedded = ModelShape.from_model_dir(model_path)
     assert checkpoint_interval(EngineConfig(), embedded) == 512, "2 blocks of 256 tokens, or 4 of 128 (bf16 state)"
     assert checkpoint_interval(EngineConfig(state_checkpoint_tokens=700), embedded) in (3 * 256, 5 * 128)
+
+
+# Blocks a real vLLM CPU engine held cached after each prompt (sharing nothing, prefilled alone,
+# one token out; the embedded model, float32 state, 256-token blocks: 1 attention + 3 DeltaNet
+# groups), counted in its block pool, 2026-12-06: checkpoints every 512 tokens, and vLLM's rule.
+CACHED_BLOCKS = {
+    512: {255: 0, 256: 4, 300: 4, 511: 4, 512: 8, 513: 5, 1000: 9, 1737: 15, 2048: 23, 2100: 20, 4000: 39, 8000: 79},
+    0: {255: 0, 256: 1, 300: 4, 511: 4, 512: 5, 513: 5, 1000: 6, 1737: 9, 2048: 11, 2100: 11, 4000: 18, 8000: 34},
+}
+
+
+@pytest.mark.parametrize("interval", sorted(CACHED_BLOCKS))
+def test_the_blocks_a_prompt_keeps_cached_match_the_engine(model_path, interval):
+    """Each checkpoint costs a block per DeltaNet group, as much as 256 attention tokens: at 512
+    tokens apart they more than double what a long prompt keeps, which `pdserve plan` shows."""
+    inputs = SizingInputs(kv_cache_bytes=256 * MiB, mamba_ssm_dtype="float32", state_checkpoint_tokens=interval)
+    plan = plan_engine(ModelShape.from_model_dir(model_path), inputs)
+    assert (plan.block_size, plan.checkpoint_interval) == (256, interval)
+    assert {tokens: plan.cached_blocks_for(tokens) for tokens in CACHED_BLOCKS[interval]} == CACHED_BLOCKS[interval]
+
+
+def test_plan_shows_what_a_prompt_keeps_cached(model_path, capsys):
+    """The block size follows this machine's state dtype, so the figures are read, not fixed."""
+    main(["--model", str(model_path), "--kv-cache-bytes", "256MiB", "--prompt-tokens", "4000"])
+    kept = re.search(
+        r"cached by a 4,000-token prompt +(\d+) blocks: .*; (\d+) with --state-checkpoint-tokens 0",
+        capsys.readouterr().out,
+    )
+    assert kept and int(kept[1]) > 1.5 * int(kept[2]), "checkpoints every 512 tokens: 1.6x (bf16 state) to 2.2x"
+    main(["--model", str(model_path), "--kv-cache-bytes", "256MiB", "--state-checkpoint-tokens", "0"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if "cached by a 2,000-token prompt" in line)
+    assert "at 1 checkpoint(s)" in line and "with --state-checkpoint-tokens 0" not in line
 
 
 def test_the_state_dtype_follows_vllms_platform_rule(monkeypatch):

@@ -42,7 +42,7 @@ class PlanConfig:
         default_of(SizingInputs, "gpu_memory_bytes") / GiB, help="memory of one GPU, GiB (80: an H100)"
     )
     prompt_tokens: int = knob(
-        default_of(SizingInputs, "prompt_tokens"), help="prompt length for bytes moved per request"
+        default_of(SizingInputs, "prompt_tokens"), help="prompt length for bytes moved and blocks cached per request"
     )
     context: int | None = knob(
         default_of(SizingInputs, "context"), help="tokens per request, for concurrency (unset: --max-model-len)"

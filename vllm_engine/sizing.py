@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -332,7 +333,7 @@ class SizingInputs:
     # the model (ssm_state_dtype; EnginePlan.ssm_dtype is the one used).
     mamba_ssm_dtype: str | None = None
     context: int | None = None  # tokens per request for the concurrency figure (None: max_model_len)
-    prompt_tokens: int = 2000  # prompt length for the bytes-moved figure
+    prompt_tokens: int = 2000  # prompt length for the bytes-moved and cached-blocks figures
     # Links for the transfer-time figure, Gbit/s: 25 GbE, 100 GbE, one 400G NIC (IB NDR), and
     # a p5's 32 EFA cards together.
     link_gbit_s: tuple[float, ...] = (25.0, 100.0, 400.0, 3200.0)
@@ -378,6 +379,31 @@ class EnginePlan:
             + self.num_full_groups * math.ceil(tokens / self.block_size)
             + self.num_sliding_groups * self.window_blocks(tokens)
         )
+
+    def state_checkpoints(self, prompt_tokens: int) -> list[int]:
+        """Where a hybrid keeps a recurrent-state checkpoint of a prompt it prefilled alone: at
+        the last block end a repeat of it can hit (its last token is always computed), and with
+        an interval at each of its multiples before that and at the prompt's end when it ends a
+        block (every state a step writes on a block end is kept). Under load, steps shared with
+        other requests end at more block ends, and more are kept. Measured on a real engine:
+        tests/test_sizing.py."""
+        if not (self.num_linear_groups and self.inputs.prefix_caching):
+            return []
+        size = self.block_size
+        last = (prompt_tokens - 1) // size * size
+        kept = {last} - {0}
+        if self.checkpoint_interval:
+            kept.update(range(self.checkpoint_interval, last, self.checkpoint_interval))
+            if prompt_tokens % size == 0:
+                kept.add(prompt_tokens)
+        return sorted(kept)
+
+    def cached_blocks_for(self, prompt_tokens: int) -> int:
+        """Blocks a finished prompt that shared nothing leaves in the prefix cache (hybrids and
+        plain attention; the sliding-window groups' are not counted): each attention group's
+        whole blocks, and one block per state group at each checkpoint."""
+        whole = prompt_tokens // self.block_size
+        return self.num_full_groups * whole + self.num_linear_groups * len(self.state_checkpoints(prompt_tokens))
 
     def window_blocks(self, tokens: int) -> int:
         """Blocks a sliding-window group holds for a request of `tokens`: the window and one
@@ -735,6 +761,8 @@ def render_plan(plan: EnginePlan, title: str = "engine") -> str:
     )
     rows.append(("blocks per rank", f"{plan.num_blocks:,} (one is vLLM's null block)"))
     rows.append(("prefix reuse", _reuse(plan)))
+    if plan.state_checkpoints(i.prompt_tokens):
+        rows.append((f"cached by a {i.prompt_tokens:,}-token prompt", _footprint(plan, i.prompt_tokens)))
     rows.append((f"blocks per {i.max_model_len:,}-token request", f"{plan.blocks_for(i.max_model_len):,}"))
     for n in dict.fromkeys((i.max_model_len, plan.context)):  # once when they are equal
         rows.append(
@@ -783,6 +811,22 @@ def _reuse(plan: EnginePlan) -> str:
             f"state checkpoint (kept {kept})"
         )
     return f"whole {plan.block_size:,}-token blocks"
+
+
+def _footprint(plan: EnginePlan, prompt_tokens: int) -> str:
+    """The blocks a prompt keeps cached, and without the extra checkpoints: each costs a block
+    per state group, as much cache as a block of attention tokens."""
+    checkpoints = plan.state_checkpoints(prompt_tokens)
+    attention = plan.num_full_groups * (prompt_tokens // plan.block_size)
+    said = (
+        f"{plan.cached_blocks_for(prompt_tokens):,} blocks: {attention:,} "
+        f"attention, {plan.num_linear_groups * len(checkpoints):,} {plan.shape.state_kind} state at "
+        f"{len(checkpoints)} checkpoint(s) x {plan.num_linear_groups} groups"
+    )
+    if plan.checkpoint_interval:
+        default = dataclasses.replace(plan, checkpoint_interval=0).cached_blocks_for(prompt_tokens)
+        said += f"; {default:,} with --state-checkpoint-tokens 0"
+    return said
 
 
 def plan_for(config: EngineConfig, shape: ModelShape, **inputs: Any) -> EnginePlan:
