@@ -6,7 +6,8 @@ in a fresh process after `register()`, as vLLM runs it.
   step after a handoff reached it died of SIGILL. The model matrix's P/D tests are that
   failure end to end on an AMX host; this checks the request on any x86-64 host.
 - The sampler's logprob-rank op, eager on CPU: vLLM compiles it on first use, inside the
-  first logprobs request's time to first token."""
+  first logprobs request's time to first token.
+- Decoding keeps a hybrid's last state checkpoints, not one at every block end."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ import vllm.v1.sample.sampler as sampler
 rank = sampler.batched_count_greater_than
 x = torch.tensor([[0.5, -1.0, 2.0, 0.1]])
 compiled = hasattr(rank, "_torchdynamo_orig_callable")
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager
 print(json.dumps({
+    "rolls_decode_checkpoints": getattr(MambaManager.cache_blocks, "keeps_last_decode_checkpoints", False),
     "has_amx": torch.cpu._is_amx_tile_supported(), "tiles_before": before, "tiles_after": tiles_allowed(),
     "rank_compiled": compiled, "ranks": None if compiled else rank(x, x[:, :1]).tolist(),
 }))
@@ -66,7 +69,14 @@ def test_the_sampler_ranks_logprobs_eagerly_on_cpu(process):
     assert process["ranks"] == [2]  # 0.5 is beaten by 2.0 and itself (vLLM counts >=)
 
 
+def test_an_engine_keeps_only_its_last_decode_checkpoints(process):
+    """vllm_engine.decode_checkpoints, in the process that schedules (tests/test_decode_checkpoints.py
+    checks what it keeps on a real engine)."""
+    assert process["rolls_decode_checkpoints"]
+
+
 def test_another_vllm_process_keeps_vllms_compiled_rank_op():
     """A stock vLLM server started from this environment (the benchmarks' baseline) runs the
-    plugin too, and stays stock."""
-    assert _probe("stock")["rank_compiled"]
+    plugin too, and stays stock: its rank op and its decode checkpoints."""
+    stock = _probe("stock")
+    assert stock["rank_compiled"] and not stock["rolls_decode_checkpoints"]

@@ -7,8 +7,8 @@ the router sent each prompt (the engine its copies of their prefix indexes found
 Positions are in whole blocks of the engines' own block size (256 tokens, or 128 where the
 DeltaNet state is bf16): a prompt a hybrid engine prefills reuses a prefix up to the last block
 end where a state checkpoint was kept, which vLLM does where a prompt's last whole block ends,
-every CHECKPOINT_BLOCKS blocks of a prompt (--state-checkpoint-tokens) and at every block end
-decoded past; a decode leg, which pulls the final state, needs the attention blocks alone."""
+every CHECKPOINT_BLOCKS blocks of a prompt (--state-checkpoint-tokens) and at the last two block
+ends decoded past; a decode leg, which pulls the final state, needs the attention blocks alone."""
 
 from __future__ import annotations
 

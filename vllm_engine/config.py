@@ -97,9 +97,9 @@ class EngineConfig:
     state_checkpoint_tokens: int | None = knob(
         None,
         help="hybrids with prefix caching: prefill keeps a recurrent-state checkpoint every this many prompt "
-        "tokens, rounded to whole blocks (its steps are capped to it), decoding one at every block end; "
-        "unset: 512 on CPU, 2048 on GPU; 0: only at each prompt's last whole block (vLLM's default); each "
-        "costs a block per state group (`pdserve plan`: blocks cached by a prompt)",
+        "tokens, rounded to whole blocks (its steps are capped to it), decoding one at each of the last two "
+        "block ends it passes; unset: 512 on CPU, 2048 on GPU; 0: only at each prompt's last whole block (vLLM's "
+        "default); each costs a block per state group (`pdserve plan`: blocks cached by a prompt)",
     )
     engine_path: EnginePath = knob(
         "auto", help="auto: AsyncLLM (engine-core process) on GPU, in-process LLMEngine on CPU"

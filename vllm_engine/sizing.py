@@ -801,8 +801,8 @@ def _reuse(plan: EnginePlan) -> str:
         return "off (--no-enable-prefix-caching)"
     if plan.shape.is_hybrid:
         kept = (
-            f"every {plan.checkpoint_interval:,} prompt tokens, at a prompt's last whole block and at every block "
-            "end decoded past"
+            f"every {plan.checkpoint_interval:,} prompt tokens, at a prompt's last whole block and at the last two "
+            "block ends decoded past"
             if plan.checkpoint_interval
             else "where a prompt's last whole block ends"
         )

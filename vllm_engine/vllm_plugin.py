@@ -17,6 +17,8 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
 - Where the CPU has AMX: permission to use its tiles (`allow_amx_tiles`).
 - CPU only, pdserve's engines only: the sampler ranks sampled tokens among the logprobs
   eagerly (`rank_logprobs_eagerly`).
+- pdserve's engines only: decoding keeps a hybrid's last state checkpoints, not one at every
+  block end (vllm_engine.decode_checkpoints).
 - A torch.compile cache key that engines share: vLLM keys its compile cache on its
   environment variables, NIXL's side-channel port and the CPU core binding among them, so
   with a port and cores of its own no engine ever found another's compiled model, nor its
@@ -45,6 +47,9 @@ def register() -> None:
     allow_amx_tiles()  # any vLLM here: without it vLLM's own AMX kernel may die of SIGILL
     if os.environ.get(ENGINE_PROCESS_ENV) == "1":
         rank_logprobs_eagerly()
+        from vllm_engine.decode_checkpoints import install as keep_last_decode_checkpoints
+
+        keep_last_decode_checkpoints()
     _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
