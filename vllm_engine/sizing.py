@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import math
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 from configuration.fields import default_of
 from vllm_engine.config import DEFAULT_CHECKPOINT_TOKENS, EngineConfig
+from vllm_engine.decode_checkpoints import KEPT as DECODE_CHECKPOINTS_KEPT
 
 KiB = 1024
 MiB = 1024 * KiB
@@ -801,8 +801,8 @@ def _reuse(plan: EnginePlan) -> str:
         return "off (--no-enable-prefix-caching)"
     if plan.shape.is_hybrid:
         kept = (
-            f"every {plan.checkpoint_interval:,} prompt tokens, at a prompt's last whole block and at the last two "
-            "block ends decoded past"
+            f"every {plan.checkpoint_interval:,} prompt tokens, at a prompt's last whole block and at the last "
+            f"{DECODE_CHECKPOINTS_KEPT} block ends decoded past"
             if plan.checkpoint_interval
             else "where a prompt's last whole block ends"
         )
@@ -824,7 +824,7 @@ def _footprint(plan: EnginePlan, prompt_tokens: int) -> str:
         f"{len(checkpoints)} checkpoint(s) x {plan.num_linear_groups} groups"
     )
     if plan.checkpoint_interval:
-        default = dataclasses.replace(plan, checkpoint_interval=0).cached_blocks_for(prompt_tokens)
+        default = replace(plan, checkpoint_interval=0).cached_blocks_for(prompt_tokens)
         said += f"; {default:,} with --state-checkpoint-tokens 0"
     return said
 
