@@ -297,9 +297,15 @@ class Pool:
             except Exception:  # actor died or is restarting: do not route to it
                 return None
 
-        reports = await asyncio.gather(*(report(m) for m in self.members))
+        # The members polled, not `self.members` after the wait: a resize may take one out
+        # (a role switch) or add one meanwhile, and a report must go to the member it is from.
+        polled = list(self.members)
+        reports = await asyncio.gather(*(report(m) for m in polled))
         joining = []
-        for member, load in zip(self.members, reports):
+        still_here = {id(m) for m in self.members}
+        for member, load in zip(polled, reports):
+            if id(member) not in still_here:  # moved out while polled: its new pool polls it
+                continue
             if isinstance(load, TimeoutError):
                 member.missed_polls += 1
                 if member.missed_polls >= self.timeouts_before_dead:

@@ -334,3 +334,37 @@ def test_a_journal_hands_over_what_finished_since_the_last_report():
     (done,) = report.finished
     assert (done.prompt_tokens, done.output_tokens, done.ttft_s, done.itl_s) == (100, 10, 0.25, 0.02)
     assert journal.take().finished == () and journal.take().arrivals == 0
+
+
+def test_a_member_moved_out_during_a_poll_leaves_the_others_their_own_loads():
+    """A role switch takes a member out of the pool while a load poll is out (the controller
+    polls and resizes concurrently): each report still goes to the member it came from, and
+    the one that left is not counted as joining this pool."""
+    answered = asyncio.Event()
+
+    class _Gated:
+        def __init__(self, load: EngineLoad) -> None:
+            self.load = self
+            self.answer = load
+
+        def remote(self):
+            async def call():
+                await answered.wait()
+                return self.answer
+
+            return call()
+
+    leaving = _live("engine-0", _Gated(dataclasses.replace(LOAD, engine_id="e0")), engine_id="e0")
+    staying = _live("engine-1", _Gated(LOAD), engine_id="e1")
+    pool = Pool("decode", [leaving, staying])
+
+    async def poll_while_one_moves() -> list[Member]:
+        poll = asyncio.ensure_future(pool.refresh_loads(timeout_s=5))
+        await asyncio.sleep(0)
+        pool.members.remove(leaving)  # as _switch_roles does
+        leaving.mark_draining()
+        answered.set()
+        return await poll
+
+    assert asyncio.run(poll_while_one_moves()) == []
+    assert staying.live and staying.engine_id == "e1" and pool.pick_decode().member is staying
