@@ -11,11 +11,15 @@ address "auto" turns token mode on by itself where that file exists.
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
 
+import psutil
 import ray
+
+log = logging.getLogger(__name__)
 
 # Custom resources that steer each pool onto its own nodes (GPU sets on a real cluster).
 PREFILL_RESOURCE = "pdserve_prefill"
@@ -31,6 +35,8 @@ ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
 # stall (bench/router_capacity.py --worker-niceness 15 0 measures it). The raylet reads
 # this at start; deploy/'s `ray start` commands set it too. An operator's value wins.
 WORKER_NICENESS_ENV = ("RAY_worker_niceness", "0")
+# What Ray 2.60 raises when its raylet misses its fixed registration wait (ray/_private/node.py).
+STARTUP_TIMEOUT = "timed out during startup"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,11 +50,27 @@ class LocalClusterConfig:
     extra_resources: dict[str, float] = field(default_factory=dict)
 
 
-def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
-    """Start a private single-node cluster in this process; returns its temp dir."""
+def start_local(config: LocalClusterConfig = LocalClusterConfig(), attempts: int = 2) -> str:
+    """Start a private single-node cluster in this process; returns its temp dir.
+
+    Ray waits a fixed 30 s for its raylet to register with the GCS, which a machine busy
+    with other engines can miss; the node is then started again, fresh, after the processes
+    of the half-started one are stopped (`attempts` starts in all)."""
     os.environ.update(ISOLATION_ENV)
     os.environ.setdefault(*WORKER_NICENESS_ENV)
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: Ray socket paths are length-limited
+    try:
+        _init_local(config, temp_dir)
+    except Exception as err:
+        if STARTUP_TIMEOUT not in str(err) or attempts <= 1:
+            raise
+        stopped = stop_processes_of(temp_dir)
+        log.warning("Ray's node did not register in time (%s): stopped its %d processes, starting again", err, stopped)
+        return start_local(config, attempts - 1)
+    return temp_dir
+
+
+def _init_local(config: LocalClusterConfig, temp_dir: str) -> None:
     ray.init(
         address="local",
         _temp_dir=temp_dir,
@@ -64,7 +86,35 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig()) -> str:
         log_to_driver=False,
         namespace="pdserve",
     )
-    return temp_dir
+
+
+def stop_processes_of(temp_dir: str) -> int:
+    """Kill this process's descendants started for the node under `temp_dir` (the GCS, the
+    raylet and their helpers name it in their command lines) with their own children: a
+    failed `ray.init` leaves them running. Returns how many were stopped."""
+
+    def names_it(process: psutil.Process) -> bool:
+        try:
+            return any(temp_dir in part for part in process.cmdline())
+        except psutil.Error:
+            return False
+
+    roots = [p for p in psutil.Process().children(recursive=True) if names_it(p)]
+    family = {p.pid: p for root in roots for p in [root, *_children(root)]}
+    for process in family.values():
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(list(family.values()), timeout=10)
+    return len(family)
+
+
+def _children(process: psutil.Process) -> list[psutil.Process]:
+    try:
+        return process.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 def join(address: str) -> None:

@@ -1,0 +1,82 @@
+"""A local Ray node that misses Ray's fixed 30-s registration wait (a machine busy with other
+engines) is stopped and started again: Ray's own processes and its own timeout path, made to
+fail once in a child process, where the second start must serve a task."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.engines
+
+# The child: the raylet's registration lookup fails for the first node only, and Ray's wait
+# clock jumps past its 30 s there, so Ray raises its own startup timeout at once. The second
+# node starts unpatched.
+CHILD = textwrap.dedent(
+    """
+    import json, time
+    import psutil, ray
+    import ray._private.node as node
+    import ray._private.services as services
+    from cluster import ray_cluster
+
+    first = {"failing": True, "temp_dir": None}
+    real_get_node, real_mkdtemp, real_stop = (
+        services.get_node, ray_cluster.tempfile.mkdtemp, ray_cluster.stop_processes_of)
+
+    def get_node(*args, **kwargs):
+        if first["failing"]:
+            raise RuntimeError("not registered (this test)")
+        return real_get_node(*args, **kwargs)
+
+    def mkdtemp(*args, **kwargs):
+        path = real_mkdtemp(*args, **kwargs)
+        first["temp_dir"] = first["temp_dir"] or path
+        return path
+
+    def stop(temp_dir):
+        stopped = real_stop(temp_dir)
+        first["failing"] = False
+        return stopped
+
+    class Clock:
+        # node.py's `time`: while the first node fails, every reading after the first is
+        # 100 s late, so Ray's wait (elapsed since its start > 30 s) gives up at once.
+        read = False
+        def __getattr__(self, name):
+            return getattr(time, name)
+        def monotonic(self):
+            late = 100.0 if first["failing"] and self.read else 0.0
+            self.read = True
+            return time.monotonic() + late
+
+    services.get_node, node.time = get_node, Clock()
+    ray_cluster.tempfile.mkdtemp, ray_cluster.stop_processes_of = mkdtemp, stop
+
+    second = ray_cluster.start_local()
+    left = [p.pid for p in psutil.Process().children(recursive=True)
+            if any(first["temp_dir"] in part for part in p.cmdline())]
+
+    @ray.remote
+    def square(x):
+        return x * x
+
+    print(json.dumps({"first": first["temp_dir"], "second": second, "left": left,
+                      "task": ray.get(square.remote(7), timeout=120)}))
+    ray.shutdown()
+    """
+)
+
+
+def test_a_node_that_misses_rays_startup_wait_is_started_again():
+    done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "did not register in time" in done.stderr and "timed out during startup" in done.stderr
+    assert result["first"] != result["second"]  # a fresh node, in a temp dir of its own
+    assert result["left"] == []  # the half-started node's GCS, raylet and helpers are gone
+    assert result["task"] == 49
