@@ -21,10 +21,12 @@ from reference import NEAR_TIE_NATS, PROMPTS, prompt_of
 from messages.requests import GenerateRequest, SamplingConfig, StructuredOutput
 
 MAX_TOKENS = 16
-# bf16 logprobs of one token differ between engines by up to a few hundredths (0.06 measured
-# on the arbitrary-id prompt, where activations are off the training distribution); the
-# near-tie bound that token comparisons use is the bound here too.
-LOGPROB_TOLERANCE = NEAR_TIE_NATS
+# bf16 logprobs of one token differ between the colocated and the prefill engine on the
+# arbitrary-id prompt, where activations are off the training distribution, by the CPU's
+# bf16 support: up to 0.06 nats on one with AMX, 0.10 on an AVX512F one without bf16
+# instructions (2026-12-07; in-corpus prompts agree to 0.01). Logprobs taken after the
+# penalties case's -2.0 penalties would be off by up to 2 nats.
+LOGPROB_TOLERANCE = 0.2
 # Arbitrary ids, where the model's next tokens are not decisive. The model is retrained on
 # each machine, so the one used is the first of these whose reference leaves every "any" case
 # something to compare (reference_outputs).
