@@ -42,10 +42,12 @@ class PoolHealth:
                 (p, d) for p in prefill for d in joining_decode
             ]
             await asyncio.gather(*(self._handshake(p, d, handshake_timeout_s) for p, d in pairs))
-        for member in joining_prefill + joining_decode:
-            # Not one that a resize took out or a failed call marked dead meanwhile.
-            if member.lifecycle is Lifecycle.JOINING:
-                member.mark_live()
+        for pool, joining in ((self.prefill, joining_prefill), (self.decode, joining_decode)):
+            for member in joining:
+                # Not one that a resize took out (or moved to the other pool, where it joins
+                # anew) or a failed call marked dead meanwhile.
+                if member.lifecycle is Lifecycle.JOINING and any(m is member for m in pool.members):
+                    member.mark_live()
         self.polls += 1
         metrics.observe_pool(self.prefill)
         metrics.observe_pool(self.decode)

@@ -158,6 +158,32 @@ def test_a_member_taken_out_during_its_handshake_does_not_become_live():
     assert decode.members[0].lifecycle is Lifecycle.DRAINING and prefill.members[0].live
 
 
+def test_a_member_moved_to_the_other_pool_during_its_handshake_joins_there_anew():
+    """A role switch may move a joining decode member to the prefill pool (JOINING again
+    there) while the poll handshakes it as a consumer: that poll must not make it live as a
+    producer; the prefill pool's next refresh handshakes it in its new role."""
+    from controller.health import PoolHealth
+
+    decode = Pool("decode", [Member("decode-0", _Actor(LOAD))])
+
+    class _Prefill(_Actor):
+        def __init__(self) -> None:
+            super().__init__(dataclasses.replace(LOAD, engine_id="p1"))
+            self.prefill = self
+
+        def remote(self, request):  # noqa: ANN001
+            mover = decode.members[0]  # as _switch_roles does, while the handshake runs
+            mover.mark_draining()
+            decode.members.remove(mover)
+            mover.mark_joining()
+            prefill.members.append(mover)
+            raise RuntimeError("handshake interrupted")
+
+    prefill = Pool("prefill", [_live("prefill-0", _Prefill(), engine_id="p1")])
+    asyncio.run(PoolHealth(prefill, decode).refresh(poll_timeout_s=1))
+    assert prefill.members[1].name == "decode-0" and prefill.members[1].lifecycle is Lifecycle.JOINING
+
+
 def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int = 4, requests: int = 40) -> int:
     """Long-lived requests arriving at random routers that each pick on their own; every
     `reports_every` arrivals each router gets the engines' load reports (None: never).
