@@ -1,8 +1,11 @@
 """Start or join a Ray cluster without touching any other Ray on the machine.
 
 A local cluster gets a private temp dir, a loopback node address (Ray rewrites 127.0.0.1
-to the host's address; 127.0.0.2 stays on loopback), no dashboard, auth and usage stats
-off. It never runs `ray stop`: that kills every Ray process of the user.
+to the host's address; 127.0.0.2 stays on loopback), no dashboard, usage stats off, and
+Ray's token authentication with a token of its own, held only in the environment of this
+process and the processes it starts: Ray 2.60's GCS, raylet and workers listen on every
+interface whatever the node address, so without it anyone who reaches the host could run
+code in the cluster. It never runs `ray stop`: that kills every Ray process of the user.
 
 Joining a cluster leaves Ray's authentication to the cluster's own environment: the nodes of
 deploy/'s configs export RAY_AUTH_MODE=token and hold the token in ~/.ray/auth_token, and
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import tempfile
 from dataclasses import dataclass, field
 
@@ -29,7 +33,7 @@ DECODE_RESOURCE = "pdserve_decode"
 ROUTER_RESOURCE = "pdserve_router"
 
 # A private local cluster only: a joined cluster's auth mode is never overridden.
-ISOLATION_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+ISOLATION_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 # Ray starts worker processes, and with them every engine actor, at nice 15 by default:
 # under CPU contention the engines then lose to everything else on the node, and streams
 # stall (bench/router_capacity.py --worker-niceness 15 0 measures it). The raylet reads
@@ -56,7 +60,7 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig(), attempts: int
     Ray waits a fixed 30 s for its raylet to register with the GCS, which a machine busy
     with other engines can miss; the node is then started again, fresh, after the processes
     of the half-started one are stopped (`attempts` starts in all)."""
-    os.environ.update(ISOLATION_ENV)
+    _private_token_auth()
     os.environ.setdefault(*WORKER_NICENESS_ENV)
     temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: Ray socket paths are length-limited
     try:
@@ -68,6 +72,20 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig(), attempts: int
         log.warning("Ray's node did not register in time (%s): stopped its %d processes, starting again", err, stopped)
         return start_local(config, attempts - 1)
     return temp_dir
+
+
+def _private_token_auth() -> None:
+    """Token mode with a fresh random token in this process's environment (its children,
+    Ray's processes and actors among them, inherit it): no ~/.ray/auth_token is written, so
+    the user's other Ray clusters are not switched to it."""
+    os.environ.update(ISOLATION_ENV, RAY_AUTH_TOKEN=secrets.token_hex(32))
+    os.environ.pop("RAY_AUTH_TOKEN_PATH", None)
+    # Ray read its auth settings when imported; it re-reads them as its own ray.init does
+    # when it turns token mode on (ray/_private/authentication/authentication_token_setup.py).
+    from ray._raylet import AuthenticationTokenLoader, Config
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 def _init_local(config: LocalClusterConfig, temp_dir: str) -> None:

@@ -1,10 +1,10 @@
-"""A local Ray node that misses Ray's fixed 30-s registration wait (a machine busy with other
-engines) is stopped and started again: Ray's own processes and its own timeout path, made to
-fail once in a child process, where the second start must serve a task."""
+"""The private local cluster: only a holder of its token gets in, and a node that misses Ray's
+fixed 30-s registration wait (a machine busy with other engines) is started again."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -80,3 +80,35 @@ def test_a_node_that_misses_rays_startup_wait_is_started_again():
     assert result["first"] != result["second"]  # a fresh node, in a temp dir of its own
     assert result["left"] == []  # the half-started node's GCS, raylet and helpers are gone
     assert result["task"] == 49
+
+
+def test_only_a_holder_of_the_clusters_token_is_answered(ray_cluster):
+    """Ray's GCS and raylet listen on every interface (Ray 2.60 binds them so whatever the
+    node address): a call without the session cluster's token, or with another, is refused;
+    with it, answered. No token file is written."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
+
+    token = os.environ["RAY_AUTH_TOKEN"]
+    (node,) = ray_cluster.nodes()
+
+    def cluster_id(channel: grpc.Channel, **kwargs: object) -> object:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        return stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), **kwargs)
+
+    def resource_load(channel: grpc.Channel, **kwargs: object) -> object:
+        stub = node_manager_pb2_grpc.NodeManagerServiceStub(channel)
+        return stub.GetResourceLoad(node_manager_pb2.GetResourceLoadRequest(), **kwargs)
+
+    services = {
+        ray_cluster.get_runtime_context().gcs_address: cluster_id,
+        f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}": resource_load,
+    }
+    for address, call in services.items():
+        with grpc.insecure_channel(address) as channel:
+            for stranger in ((), (("authorization", "Bearer " + "0" * 64),)):
+                with pytest.raises(grpc.RpcError) as refused:
+                    call(channel, metadata=stranger, timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (address, refused.value)
+            assert call(channel, metadata=(("authorization", f"Bearer {token}"),), timeout=10) is not None
+    assert len(token) == 64 and not os.path.exists(os.path.expanduser("~/.ray/auth_token"))
