@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
+from collections.abc import Callable
 
 import pytest
 from ray.exceptions import ActorDiedError
@@ -137,24 +138,36 @@ def test_the_lifecycle_moves_only_along_its_transitions():
         member.lifecycle = Lifecycle.LIVE  # only the named methods change it
 
 
-def test_a_member_taken_out_during_its_handshake_does_not_become_live():
-    """A resize (or a failed call) may change a joining member while the health poll is
-    still handshaking it: the poll must not make it live afterwards."""
+class _InterruptedProducer(_Actor):
+    """A live prefill engine whose handshake call runs `meanwhile` (what a resize does while
+    the health poll waits on it), then fails."""
+
+    def __init__(self, meanwhile: Callable[[], None]) -> None:
+        super().__init__(dataclasses.replace(LOAD, engine_id="p1"))
+        self.prefill = self
+        self.meanwhile = meanwhile
+
+    def remote(self, request):  # noqa: ANN001
+        self.meanwhile()
+        raise RuntimeError("handshake interrupted")
+
+
+def _handshake_interrupted_by(change: Callable[[Pool, Pool], None]) -> tuple[Pool, Pool]:
+    """A joining decode engine, polled and handshaken with a live prefill engine while
+    `change(prefill, decode)` runs. Returns the pools after the poll."""
     from controller.health import PoolHealth
 
     decode = Pool("decode", [Member("decode-0", _Actor(LOAD))])
-
-    class _Prefill(_Actor):
-        def __init__(self) -> None:
-            super().__init__(dataclasses.replace(LOAD, engine_id="p1"))
-            self.prefill = self
-
-        def remote(self, request):  # noqa: ANN001
-            decode.members[0].mark_draining()  # the resize, while the handshake runs
-            raise RuntimeError("handshake interrupted")
-
-    prefill = Pool("prefill", [_live("prefill-0", _Prefill(), engine_id="p1")])
+    prefill = Pool("prefill", [])
+    prefill.members.append(_live("prefill-0", _InterruptedProducer(lambda: change(prefill, decode)), engine_id="p1"))
     asyncio.run(PoolHealth(prefill, decode).refresh(poll_timeout_s=1))
+    return prefill, decode
+
+
+def test_a_member_taken_out_during_its_handshake_does_not_become_live():
+    """A resize (or a failed call) may change a joining member while the health poll is
+    still handshaking it: the poll must not make it live afterwards."""
+    prefill, decode = _handshake_interrupted_by(lambda prefill, decode: decode.members[0].mark_draining())
     assert decode.members[0].lifecycle is Lifecycle.DRAINING and prefill.members[0].live
 
 
@@ -162,26 +175,17 @@ def test_a_member_moved_to_the_other_pool_during_its_handshake_joins_there_anew(
     """A role switch may move a joining decode member to the prefill pool (JOINING again
     there) while the poll handshakes it as a consumer: that poll must not make it live as a
     producer; the prefill pool's next refresh handshakes it in its new role."""
-    from controller.health import PoolHealth
 
-    decode = Pool("decode", [Member("decode-0", _Actor(LOAD))])
+    def switch_roles(prefill: Pool, decode: Pool) -> None:  # as Deployment._switch_roles does
+        mover = decode.members[0]
+        mover.mark_draining()
+        decode.members.remove(mover)
+        mover.mark_joining()
+        prefill.members.append(mover)
 
-    class _Prefill(_Actor):
-        def __init__(self) -> None:
-            super().__init__(dataclasses.replace(LOAD, engine_id="p1"))
-            self.prefill = self
-
-        def remote(self, request):  # noqa: ANN001
-            mover = decode.members[0]  # as _switch_roles does, while the handshake runs
-            mover.mark_draining()
-            decode.members.remove(mover)
-            mover.mark_joining()
-            prefill.members.append(mover)
-            raise RuntimeError("handshake interrupted")
-
-    prefill = Pool("prefill", [_live("prefill-0", _Prefill(), engine_id="p1")])
-    asyncio.run(PoolHealth(prefill, decode).refresh(poll_timeout_s=1))
-    assert prefill.members[1].name == "decode-0" and prefill.members[1].lifecycle is Lifecycle.JOINING
+    prefill, decode = _handshake_interrupted_by(switch_roles)
+    assert decode.members == [] and prefill.members[1].name == "decode-0"
+    assert prefill.members[1].lifecycle is Lifecycle.JOINING
 
 
 def _route(reports_every: int | None, seed: int, routers: int = 2, actors: int = 4, requests: int = 40) -> int:
