@@ -188,10 +188,13 @@ class RouteDecision:
 class Pool:
     role: str
     members: list[Member] = field(default_factory=list)
-    # A busy engine can answer a load poll late (one core, a big batch): dropping it from
-    # rotation then would only push its load onto the others. Only this many timeouts in a
-    # row (a wedged actor) take it out; a dead actor's error does at once.
-    timeouts_before_dead: int = 3
+    # A busy engine can answer a load poll late (one core, a big batch, a host at a load
+    # average of 10 and more): dropping it from rotation then would only push its load onto
+    # the others, or fail requests while it was the only one. Only this many timeouts in a
+    # row (a wedged actor: ~15 s at the controller's 0.5-s interval and 2-s timeout) take it
+    # out; a dead actor's error does at once. Three (~7.5 s) took an idle engine out on a
+    # 2-core box running another test suite beside it.
+    timeouts_before_dead: int = 6
     # Ties rotate, each router from its own random start, so routers that all see idle
     # engines do not all pick the first one.
     _tiebreak: itertools.count = field(default_factory=lambda: itertools.count(random.randrange(1 << 16)))
