@@ -59,6 +59,8 @@ class Member:
     engine_id: str = ""  # as last reported; a new one means Ray restarted the actor
     missed_polls: int = 0  # load polls in a row that timed out
     capacity: EngineCapacity | None = None  # reported once the engine is up
+    # This router's feed on it (a decode engine), whose requests its load reports count apart.
+    feed: str | None = None
     # (when, +1 started / -1 finished) for this router's requests not yet in a load report.
     # Timed against when the engine measured the report, not when it arrived: it reaches the
     # router through the controller a poll interval late, and requests started meanwhile
@@ -126,12 +128,20 @@ class Member:
 
     @property
     def estimated_requests(self) -> int:
-        """Requests on the engine from every router: the last report's running and waiting
-        ones, plus what this router started there since it was measured (minus what it
-        finished). With one router this is its own in-flight count; with several it includes
-        the others'."""
+        """Requests on the engine from every router: the others' as the last report counted
+        them, plus this router's in flight. With one router this is its own in-flight count."""
         if self.load is None:
             return self._outstanding
+        if self.feed is not None:
+            # Exact: the report names this router's requests among those the engine had, so
+            # none is lost or counted twice, however long one took to reach the engine after
+            # the router counted it. Clamped: the engine's counts and its feeds' are read a
+            # moment apart.
+            others = self.load.running + self.load.waiting - self.load.requests_from(self.feed)
+            return max(0, others) + self._outstanding
+        # Without a feed (a prefill engine): the report's, plus what this router started
+        # since it was measured, minus what it finished. A request that reaches the engine
+        # after the measurement yet was started before it is missed until the next report.
         since_report = sum(change for _, change in self._changes)
         return max(self._outstanding, self.load.running + self.load.waiting + since_report)
 

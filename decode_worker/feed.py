@@ -126,6 +126,10 @@ class FeedHub:
         task = asyncio.get_running_loop().create_task(self._pump(subscriber, feed, leg_id, chunks))
         self._legs[leg_id] = task
 
+    def requests_by_feed(self) -> tuple[tuple[str, int], ...]:
+        """How many requests each subscriber has going here (messages.reports.EngineLoad)."""
+        return tuple((subscriber, len(feed.legs)) for subscriber, feed in self._feeds.items() if feed.legs)
+
     def refuse(self, subscriber: str, leg_id: str, error: BaseException) -> None:
         """Tell `subscriber` that its request `leg_id` was not started, and why."""
         feed = self._feeds.get(subscriber)

@@ -11,11 +11,13 @@ the tokens of every request the subscriber starts on it (decode_worker/feed.py).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, AsyncIterator, Callable
 
 from decode_worker.feed import FeedHub, FeedServer
 from kv_transfer.connector_config import Role, TransferConfig
 from kv_transfer.consumer import check_loaded
+from messages.reports import EngineLoad
 from messages.requests import GenerateRequest
 from messages.results import FeedAddress, TokenChunk
 from messages.transfer import TransferHandle
@@ -42,6 +44,10 @@ class DecodeWorker(EngineWorker):
         self._feeds = FeedHub()
         self._feed_server = FeedServer(self._feeds, host, self.start_leg, self.abort_leg)
         super().__init__(name, engine_config, transfer, host, on_fatal)
+
+    def load(self) -> EngineLoad:
+        """The engine's load, with its requests counted by the feed that started each."""
+        return replace(super().load(), requests_by_feed=self._feeds.requests_by_feed())
 
     async def release_transfer(self, handle: TransferHandle) -> None:
         """The request behind `handle` will not be decoded (cancelled, expired): have its

@@ -18,6 +18,13 @@ class EngineLoad:
     # Wall-clock time (time.time()) the worker measured this: routers count their own requests
     # started or finished after it on top (cluster.pools.Member.estimated_requests).
     measured_at: float = 0.0
+    # A decode engine's requests by the router feed that started them (decode_worker.feed):
+    # a router tells its own from the others' exactly, whenever each reached the engine.
+    requests_by_feed: tuple[tuple[str, int], ...] = ()
+
+    def requests_from(self, feed: str) -> int:
+        """Of `running` and `waiting`, those started through `feed`."""
+        return next((count for name, count in self.requests_by_feed if name == feed), 0)
 
 
 @dataclass(frozen=True, slots=True)

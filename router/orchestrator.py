@@ -452,6 +452,7 @@ class Orchestrator:
             policy = self.policy
             feed = DecodeFeed(member.name, member.actor, policy.stall_timeout_s, policy.prefill_timeout_s)
             self._feeds[member.name] = feed
+        member.feed = feed.subscriber
         return feed
 
     async def cached_prefixes(

@@ -57,6 +57,34 @@ def test_closing_a_feed_aborts_its_requests_and_refuses_new_ones():
     assert closed == ["r1"] and not hub._legs and not hub._feeds
 
 
+def test_the_hub_counts_each_feeds_requests_until_they_end():
+    """What a decode engine's load report carries, so a router tells its requests from the
+    others' (cluster.pools.Member.estimated_requests)."""
+
+    async def scenario():
+        hub, step, never, closed = FeedHub(), asyncio.Event(), asyncio.Event(), []
+        hub.start("router-a", "a1", _tokens(step, 1, closed, "a1"))
+        hub.start("router-a", "a2", _tokens(never, 5, closed, "a2"))
+        hub.start("router-b", "b1", _tokens(never, 5, closed, "b1"))
+        started = hub.requests_by_feed()
+        step.set()
+        for _ in range(100):
+            if "a1" in closed:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.01)
+        one_ended = hub.requests_by_feed()
+        hub.abort("a2")
+        hub.abort("b1")
+        await asyncio.sleep(0.01)
+        return started, one_ended, hub.requests_by_feed()
+
+    started, one_ended, none_left = asyncio.run(scenario())
+    assert dict(started) == {"router-a": 2, "router-b": 1}
+    assert dict(one_ended) == {"router-a": 1, "router-b": 1}
+    assert none_left == ()
+
+
 def test_a_request_failure_reaches_its_router_as_an_event():
     async def failing():
         raise RuntimeError("could not load the state")

@@ -281,6 +281,32 @@ def test_a_late_report_still_counts_what_this_router_started_after_it_was_measur
     asyncio.run(scenario())
 
 
+def test_a_decode_report_counts_this_routers_requests_once_however_late_they_reached_the_engine():
+    """A decode leg is counted here before the engine has it (the request crosses the feed,
+    the engine takes it at its next step). A report measured in between, by time alone,
+    would drop the request from this router's count though the engine's count lacks it too:
+    the engine would look one request lighter (two routers then piled 4:2 on two engines
+    in CI). The report names this router's feed's requests instead."""
+    pool = Pool("decode", [_live("decode-0")])
+    member = pool.members[0]
+    member.feed = "router-a-feed"
+
+    async def scenario() -> None:
+        async with pool.in_flight(member):
+            time.sleep(0.001)
+            # Measured after the router counted it, before the engine had it: 2 others'.
+            member.record_load(dataclasses.replace(LOAD, running=2, measured_at=time.time()))
+            assert member.estimated_requests == 3
+            # The engine has it now: 2 others' and this router's 1.
+            feeds = (("router-a-feed", 1), ("router-b-feed", 2))
+            member.record_load(dataclasses.replace(LOAD, running=3, measured_at=time.time(), requests_by_feed=feeds))
+            assert member.estimated_requests == 3
+        # Finished here, still on the engine's last report: the others' 2 remain.
+        assert member.estimated_requests == 2
+
+    asyncio.run(scenario())
+
+
 def test_in_flight_counts_always_come_back_down():
     pool = Pool("prefill", [_live("prefill-0")])
     member = pool.members[0]
