@@ -370,6 +370,7 @@ class Deployment:
             for member in movers:
                 source.members.remove(member)
                 member.mark_joining()  # the next refresh handshakes it with its new peers
+                member.feed = None  # a router's decode feed on it; set again when it decodes
                 target.members.append(member)
             log.info("moved %s from %s to %s", ", ".join(m.name for m in movers), source.role, target.role)
 

@@ -307,6 +307,23 @@ def test_a_decode_report_counts_this_routers_requests_once_however_late_they_rea
     asyncio.run(scenario())
 
 
+def test_an_engine_switched_to_prefill_keeps_no_decode_feed():
+    """A router's feed counts its decode legs; in the prefill pool, counted by that feed, the
+    router's prefill calls (not feed legs) would count twice, in its own count and the report's."""
+    from controller.deployment import Deployment, DeploymentConfig
+    from vllm_engine.config import EngineConfig
+
+    config = DeploymentConfig(engine=EngineConfig(model="m"), num_decode=2, switch_roles=True, drain_quiet_s=0)
+    deployment = Deployment(config)
+    mover, staying = _live("engine-1", _Actor(LOAD)), _live("engine-2", _Actor(LOAD))
+    mover.feed = staying.feed = "router-a-feed"
+    deployment.prefill.members = [_live("engine-0", _Actor(LOAD))]
+    deployment.decode.members = [mover, staying]
+    asyncio.run(deployment._switch_roles(num_prefill=2, num_decode=1, drain_timeout_s=1))
+    assert deployment.prefill.members[1] is mover and mover.feed is None
+    assert deployment.decode.members == [staying] and staying.feed == "router-a-feed"
+
+
 def test_in_flight_counts_always_come_back_down():
     pool = Pool("prefill", [_live("prefill-0")])
     member = pool.members[0]
