@@ -110,6 +110,8 @@ class LocalStack:
             if self.server is not None:
                 await self.server.stop(grace_s)
         finally:
+            if self.deployment.orchestrator is not None:
+                await self.deployment.orchestrator.close_feeds()
             if engines:
                 self.deployment.shutdown()
 

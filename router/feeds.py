@@ -79,6 +79,11 @@ class DecodeFeed:
         self._renewal: asyncio.Task[None] = self._loop.create_task(self._tend())
 
     @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop it runs on."""
+        return self._loop
+
+    @property
     def usable(self) -> bool:
         """False once the feed broke, or when asked from another event loop than its own
         (tests run each call in a fresh loop; a server has one)."""
@@ -119,6 +124,11 @@ class DecodeFeed:
         still on it."""
         self._renewal.cancel()
         self._pump.cancel()
+
+    async def aclose(self) -> None:
+        """`close()`, then wait until its connection has closed (on its own loop)."""
+        self.close()
+        await asyncio.gather(self._pump, self._renewal, return_exceptions=True)
 
     async def _tend(self) -> None:
         """Renew the feed's lease, and fail requests that have stalled."""

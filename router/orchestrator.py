@@ -229,6 +229,14 @@ class Orchestrator:
         """Stop following the engines' prefix indexes (their threads end within a poll)."""
         self.prefix_copies.close()
 
+    async def close_feeds(self) -> None:
+        """End the decode feeds opened on the running loop, whose actors then abort what they
+        still carry. A front that stops while others share this orchestrator (in-process
+        stacks) leaves their feeds, each on its own loop, as they are."""
+        loop = asyncio.get_running_loop()
+        mine = [name for name, feed in self._feeds.items() if feed.loop is loop]
+        await asyncio.gather(*(self._feeds.pop(name).aclose() for name in mine))
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[TokenChunk | GenerationResult]:
         arrived = time.perf_counter()
         arrived_wall = self.journal.arrived() if self.journal else 0.0

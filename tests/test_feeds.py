@@ -316,6 +316,39 @@ def test_tokens_cross_the_feed_connection_and_closing_it_aborts_the_requests():
     assert sorted(closed) == ["r1", "r2"]
 
 
+def test_an_orchestrator_closes_the_feeds_of_its_loop_and_the_actor_aborts_their_requests():
+    """What a front does when it stops (controller.local_stack): the feeds opened on its loop
+    end, connection and all, and nothing of them is left pending on a loop that stops."""
+    from cluster.pools import Member, Pool
+    from messages.requests import GenerateRequest, ModelLimits
+    from router.orchestrator import Orchestrator, RouterPolicy
+
+    async def scenario():
+        actor = _ActorServing()
+        member = Member("decode-0", actor)
+        orchestrator = Orchestrator(Pool("prefill"), Pool("decode", [member]), ModelLimits(64, 100), RouterPolicy())
+        feed = orchestrator._feed(member)
+        await feed.opened()
+        feed.open_leg("r1")
+        feed.start_leg(GenerateRequest("r1", (5, 6, 7)), None)
+        for _ in range(100):
+            if actor.hub.requests_by_feed():
+                break
+            await asyncio.sleep(0.01)
+        carried = actor.hub.requests_by_feed()
+        await orchestrator.close_feeds()
+        for _ in range(100):
+            if "r1" in actor.closed:
+                break
+            await asyncio.sleep(0.01)
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and "DecodeFeed" in repr(t)]
+        return feed.subscriber, carried, actor.closed, pending, orchestrator._feed(member) is not feed
+
+    subscriber, carried, closed, pending, reopened = asyncio.run(scenario())
+    assert carried == ((subscriber, 1),)
+    assert closed == ["r1"] and pending == [] and reopened
+
+
 def test_a_feed_connection_that_breaks_fails_every_request_on_it():
     from messages.errors import FeedLostError
     from router.feeds import DecodeFeed
