@@ -15,8 +15,9 @@ class EngineLoad:
     total_blocks: int
     engine_id: str = ""  # filled in by the worker that owns the engine
     metrics_address: str = ""  # the worker's Prometheus endpoint (changes when Ray restarts it)
-    # Wall-clock time (time.time()) the worker measured this: routers count their own requests
-    # started or finished after it on top (cluster.pools.Member.estimated_requests).
+    # Wall-clock time (time.time()) the worker measured this: on an engine without their feed
+    # (prefill), routers count their own requests started or finished after it on top
+    # (cluster.pools.Member.estimated_requests).
     measured_at: float = 0.0
     # A decode engine's requests by the router feed that started them (decode_worker.feed):
     # a router tells its own from the others' exactly, whenever each reached the engine.
