@@ -61,3 +61,26 @@ def test_a_system_run_alone_gets_no_empty_ratio_line(capsys):
     out = capsys.readouterr().out
     assert "TTFT p50" not in out
     assert f"{aware}: >= 90% in SLO at 2 req/s" in out
+
+
+def test_strict_slo_goodput_is_read_at_stock_highest_rate_kept_and_as_distserve_counts(capsys):
+    chosen = {key: SERVED_SYSTEMS[key] for key in ("aware", "smg-aware", "smg-rr")}
+    aware, smg_aware, smg_rr = (served.label for served in chosen.values())
+    # Stock keeps the SLO to 4 req/s (cache_aware) and 2 (round robin); pdserve to 8, the highest run.
+    kept_to = {aware: 8.0, smg_aware: 4.0, smg_rr: 2.0}
+    rounds = [
+        {label: [_report(label, rate, 0.03 if rate <= top else 2.0) for rate in (2.0, 4.0, 8.0)]}
+        for label, top in kept_to.items()
+    ]
+    _print_ratios([{k: v for r in rounds for k, v in r.items()}], chosen, "req/s")
+    out = capsys.readouterr().out
+    assert f"{aware} at 4 req/s, the best stock setup's highest rate >= 90% in SLO: goodput / stock's 1.00x" in out
+    assert "(DistServe's goodput; +: its highest rate run): 2.00x+" in out
+    assert "goodput / the best stock goodput infx" in out  # at 8 req/s stock kept none
+
+
+def test_no_strict_slo_ratio_without_a_stock_rate_in_slo(capsys):
+    chosen = {key: SERVED_SYSTEMS[key] for key in ("aware", "smg-rr")}
+    aware, smg_rr = (served.label for served in chosen.values())
+    _print_ratios([{aware: [_report(aware, 2.0, 0.03)], smg_rr: [_report(smg_rr, 2.0, 2.0)]}], chosen, "req/s")
+    assert f"{aware}: no stock setup kept >= 90% in SLO at any rate run" in capsys.readouterr().out
