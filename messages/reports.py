@@ -42,6 +42,7 @@ class EngineCapacity:
     block_size: int  # attention tokens per block, as vLLM picked it
     prefix_caching: bool
     niceness: int = 0  # the engine process's (Ray starts workers at 15 unless told otherwise)
+    bf16_without_cpu_support: bool = False  # vllm_engine.sizing.bf16_without_cpu_support
 
     @property
     def reuse(self) -> str:
@@ -65,6 +66,12 @@ class EngineCapacity:
             f"; WARNING: runs at nice {self.niceness}, so anything busy on its node (Ray's own daemons after a "
             "node is lost, say) starves it: start every raylet with RAY_worker_niceness=0, as deploy/ does"
             if self.niceness > 0
+            else ""
+        ) + (
+            "; WARNING: computes in bfloat16 on a CPU without AVX512-BF16 or AMX, where vLLM's kernels take "
+            "much slower paths (docs/benchmarks.md): serve on a CPU that has them, or, for a model without "
+            "Gated DeltaNet (vLLM's CPU kernel for it is bf16 only), --dtype float32"
+            if self.bf16_without_cpu_support
             else ""
         )
 

@@ -57,9 +57,14 @@ def test_async_compiled_engines_disaggregated_equal_eager_colocated(deployment, 
 
 
 def test_async_engines_report_capacity_and_load(deployment):
+    import torch
+
     dep, _ = deployment
     for member in dep.prefill.members + dep.decode.members:
         capacity = dep.capacities[member.name]
         load = ray.get(member.actor.load.remote())
         assert capacity.kv_blocks == load.total_blocks > 0
+        # torch's own probe of the CPU, not the /proc/cpuinfo flags the engine read
+        bf16_cpu = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+        assert capacity.bf16_without_cpu_support is not bf16_cpu
         assert load.free_blocks == load.total_blocks and not load.running

@@ -350,6 +350,28 @@ def test_an_engine_at_a_positive_niceness_is_named_at_start_up():
     assert "nice 15" in niced and "RAY_worker_niceness=0" in niced
 
 
+def test_bf16_on_a_cpu_without_bf16_instructions_is_named_at_start_up(monkeypatch):
+    """vLLM's CPU kernels run bf16 on slow paths without AVX512-BF16 or AMX: the engine's
+    start-up line says so and what to do."""
+    import vllm_engine.sizing as sizing
+    from messages.reports import EngineCapacity
+
+    monkeypatch.setattr(sizing.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(sizing, "_cpu_flags", lambda: {"avx512f", "avx2"})
+    assert sizing.bf16_without_cpu_support("cpu", "bfloat16")
+    assert not sizing.bf16_without_cpu_support("cpu", "float32")
+    assert not sizing.bf16_without_cpu_support("cuda", "bfloat16")
+    for native in ("avx512_bf16", "amx_bf16"):
+        monkeypatch.setattr(sizing, "_cpu_flags", lambda native=native: {"avx512f", native})
+        assert not sizing.bf16_without_cpu_support("cpu", "bfloat16"), native
+    monkeypatch.setattr(sizing, "_cpu_flags", set)  # flags unread: say nothing
+    assert not sizing.bf16_without_cpu_support("cpu", "bfloat16")
+    capacity = EngineCapacity(100, 1, 10, 10, 16, 2048, 1, 256, True)
+    assert "AVX512-BF16" not in capacity.summary()
+    slow = dataclasses.replace(capacity, bf16_without_cpu_support=True).summary()
+    assert "WARNING: computes in bfloat16 on a CPU without AVX512-BF16 or AMX" in slow and "--dtype float32" in slow
+
+
 def test_qwen35_27b_with_its_mtp_layer_as_the_draft():
     """`--speculative-method mtp`: the MTP layer is one more full-attention layer in the cache
     (17 with the model's 16, so groups of 17 layers), and each DeltaNet conv state holds one

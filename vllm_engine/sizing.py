@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import platform
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -296,6 +297,15 @@ def ssm_state_dtype(device: str, dtype: str, declared: str = "", mamba2: bool = 
     if avx512_bf16 and not (declared in ("float16", "bfloat16") and not mamba2):
         return "float32"
     return declared or ("float32" if device != "cpu" else dtype)
+
+
+def bf16_without_cpu_support(device: str, dtype: str) -> bool:
+    """An engine computing in bfloat16 on an x86 CPU with neither AVX512-BF16 nor AMX, where
+    vLLM's CPU kernels take slower bf16 paths (its Gated DeltaNet kernel has no float32 one)."""
+    if device != "cpu" or dtype != "bfloat16" or platform.machine() != "x86_64":
+        return False
+    flags = _cpu_flags()
+    return bool(flags) and not flags & {"avx512_bf16", "amx_bf16"}
 
 
 def _cpu_flags() -> set[str]:

@@ -23,6 +23,7 @@ from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, EngineWiring, exit_for_restart, start_engine
 from vllm_engine.kv_events import EngineSockets, EventSubscriber
 from vllm_engine.prefix_index import BlockHashing, PrefixIndex
+from vllm_engine.sizing import bf16_without_cpu_support
 
 
 class EngineWorker:
@@ -107,7 +108,8 @@ class EngineWorker:
         capacity = layout.capacity(
             self.limits.max_model_len, self._config.max_num_seqs, self._config.enable_prefix_caching
         )
-        return replace(capacity, niceness=os.nice(0))
+        slow_bf16 = bf16_without_cpu_support(self._config.device, self._config.dtype)
+        return replace(capacity, niceness=os.nice(0), bf16_without_cpu_support=slow_bf16)
 
     async def prefix_index_spec(self) -> tuple[BlockHashing, StateLayout] | None:
         """How a router hashes prompts for this engine and reads its index's groups (None with
