@@ -830,17 +830,19 @@ def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Se
             if key in labels:
                 print(_at_stock_highest_rate(rounds, labels[key], stock_labels, unit))
     for label in rounds[0]:  # every rate, not the highest alone: attainment need not fall monotonically
-        kept = [
-            ", ".join(f"{r.rate:g}" for r in series[label] if r.rate is not None and r.summary.slo_attainment >= 0.9)
-            for series in rounds
-        ]
+        kept = [", ".join(f"{r.rate:g}" for r in series[label] if _kept_slo(r)) for series in rounds]
         said = " / ".join(f"{k} {unit}" if k else "none of the rates run" for k in kept)
         print(f"{label}: >= 90% in SLO at {said}" + (" (per round)" if len(rounds) > 1 else ""))
 
 
+def _kept_slo(report: RunReport) -> bool:
+    """A run at a set rate in which >= 90% of requests kept the SLO."""
+    return report.rate is not None and report.summary.slo_attainment >= 0.9
+
+
 def _highest_kept(reports: list[RunReport]) -> float | None:
     """The highest rate run at which >= 90% of requests kept the SLO (DistServe's goodput)."""
-    return max((r.rate for r in reports if r.rate is not None and r.summary.slo_attainment >= 0.9), default=None)
+    return max((r.rate for r in reports if _kept_slo(r)), default=None)
 
 
 def _at_stock_highest_rate(
