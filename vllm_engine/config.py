@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 EMBEDDED_MODEL = "embedded"
 # vLLM's CPU default tries to reserve ~92% of RAM: CPU engines always get an explicit size.
 CPU_DEFAULT_KV_CACHE_BYTES = 256 << 20
-# Tokens between a hybrid's kept recurrent-state checkpoints when unset. CPU: measured on the
-# embedded model (docs/benchmarks.md): a second prompt sharing a 1,536-token document hits
-# it, and 512-token prefill steps cost no TTFT there (256-token ones ~10%). GPU: vLLM's usual
-# step budget on smaller GPUs, not measured here.
+# Tokens between a hybrid's kept recurrent-state checkpoints when unset. CPU: a second prompt
+# sharing a 1,536-token document hits it, and the 512-token prefill steps cost a cold prompt
+# little (measured on the embedded model: docs/benchmarks.md). GPU: vLLM's usual step budget
+# on smaller GPUs, not measured here.
 DEFAULT_CHECKPOINT_TOKENS: dict[str, int] = {"cpu": 512, "cuda": 2048}
 # Every engine loads it: requests that force their tokens (equivalence checks) need it.
 TEACHER_FORCING = "vllm_engine.teacher_forcing:TeacherForcing"
