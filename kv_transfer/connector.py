@@ -4,10 +4,11 @@ scheduler or worker half its role needs)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterator
 
-from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for, pick_side_channel
+from kv_transfer.connector_config import Role, SideChannel, TransferConfig, engine_id_for, reserved_side_channel
 from kv_transfer.consumer import TransferConsumer
 from kv_transfer.producer import TransferProducer
 
@@ -20,10 +21,12 @@ class Connector:
     channel: SideChannel
 
     @classmethod
-    def for_worker(cls, role: Role, worker_name: str, transfer: TransferConfig, host: str) -> Connector:
-        """With a free NIXL side-channel port on `host`, the worker's node address."""
-        channel = pick_side_channel(host)
-        return cls(role, engine_id_for(role, worker_name, channel), transfer, channel)
+    @contextmanager
+    def for_worker(cls, role: Role, worker_name: str, transfer: TransferConfig, host: str) -> Iterator[Connector]:
+        """With a free NIXL side-channel port on `host`, the worker's node address, held for
+        the engine until the block ends: start the engine inside it."""
+        with reserved_side_channel(host) as channel:
+            yield cls(role, engine_id_for(role, worker_name, channel), transfer, channel)
 
     def kv_transfer_config(self) -> Any:
         return self.transfer.kv_transfer_config(self.role, self.engine_id)

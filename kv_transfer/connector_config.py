@@ -11,9 +11,10 @@ Which mechanisms are vLLM's and which are ours:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 from configuration.fields import knob
 from configuration.parsers import parse_bytes
@@ -171,10 +172,18 @@ def engine_id_for(role: Role, worker_name: str, channel: SideChannel) -> str:
     return f"{role.name.lower()}-{worker_name}-{channel.host}-{channel.port}"
 
 
-def pick_side_channel(host: str) -> SideChannel:
-    """A free port on `host` for this worker's NIXL handshake listener."""
+@contextmanager
+def reserved_side_channel(host: str) -> Iterator[SideChannel]:
+    """A free port on `host` for a worker's NIXL handshake listener, held until the engine's
+    listener has bound it. A port picked free and let go at once stayed free only by luck
+    through the engine's start (vLLM's imports, seconds), while the host's other sockets asked
+    for free ports too: on a multi-host run one took it and the listener failed with "Address
+    already in use". Held by a bound socket that does not listen, the port is given to no
+    socket asking the kernel for a free one and to no outgoing connection; the listener's own
+    bind succeeds, as both sockets set SO_REUSEADDR and neither listens yet."""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
-        return SideChannel(host, sock.getsockname()[1])
+        yield SideChannel(host, sock.getsockname()[1])

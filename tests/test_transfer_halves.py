@@ -150,14 +150,47 @@ def test_each_role_builds_the_halves_it_runs(role, produces, consumes):
 
 
 def test_a_connector_names_its_engine_and_sets_its_processes_up():
-    connector = Connector.for_worker(Role.EITHER, "engine-0", TRANSFER, "127.0.0.1")
-    port = connector.channel.port
-    assert connector.engine_id == f"either-engine-0-127.0.0.1-{port}"
-    env = connector.process_env()
-    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(port)
-    assert env.items() >= TRANSFER.process_env().items()
-    config = connector.kv_transfer_config()
-    assert (config.kv_role, config.engine_id) == ("kv_both", connector.engine_id)
+    with Connector.for_worker(Role.EITHER, "engine-0", TRANSFER, "127.0.0.1") as connector:
+        port = connector.channel.port
+        assert connector.engine_id == f"either-engine-0-127.0.0.1-{port}"
+        env = connector.process_env()
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(port)
+        assert env.items() >= TRANSFER.process_env().items()
+        config = connector.kv_transfer_config()
+        assert (config.kv_role, config.engine_id) == ("kv_both", connector.engine_id)
+
+
+def test_the_side_channel_port_is_held_for_the_engines_listener_alone():
+    """While a worker's engine starts, its side-channel port goes to no other socket of the
+    host, neither one binding it nor one asking for any free port, and vLLM's handshake
+    listener (a ZMQ ROUTER, as NixlConnector makes it) binds it and answers there."""
+    import errno
+    import socket
+
+    import zmq
+    from vllm.utils.network_utils import make_zmq_socket
+
+    with Connector.for_worker(Role.PREFILL, "p0", TRANSFER, "127.0.0.1") as connector:
+        port = connector.channel.port
+        with socket.socket() as other, pytest.raises(OSError) as taken:
+            other.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        free = []
+        for _ in range(500):  # the kernel's free ports, each kept so the next is another
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
+            free.append(sock)
+        assert port not in {sock.getsockname()[1] for sock in free}
+        for sock in free:
+            sock.close()
+        context = zmq.Context()
+        listener = make_zmq_socket(context, f"tcp://127.0.0.1:{port}", zmq.ROUTER, bind=True)
+    client = context.socket(zmq.DEALER)
+    client.connect(f"tcp://127.0.0.1:{port}")
+    client.send(b"handshake")
+    assert listener.poll(5000) and listener.recv_multipart()[-1] == b"handshake"
+    context.destroy(linger=0)
 
 
 def test_a_producer_worker_without_a_transfer_is_refused_before_its_engine_starts():

@@ -66,16 +66,16 @@ class EngineWorker:
             self._engine = start_engine(engine_config, wiring)
             self._producer = self._consumer = None
         else:
-            connector = Connector.for_worker(self.connector_role, name, transfer, host)
-            self.engine_id = connector.engine_id
-            wiring = EngineWiring(
-                connector.kv_transfer_config(),
-                {**connector.process_env(), **self._sockets.process_env()},
-                on_fatal,
-                _stat_loggers(),
-                events_config,
-            )
-            self._engine = start_engine(engine_config, wiring)
+            with Connector.for_worker(self.connector_role, name, transfer, host) as connector:
+                self.engine_id = connector.engine_id
+                wiring = EngineWiring(
+                    connector.kv_transfer_config(),
+                    {**connector.process_env(), **self._sockets.process_env()},
+                    on_fatal,
+                    _stat_loggers(),
+                    events_config,
+                )
+                self._engine = start_engine(engine_config, wiring)
             self._producer, self._consumer = connector.halves(self._engine.prefill_backoff)
         self.limits: ModelLimits = self._engine.limits
         self._prefix_index: PrefixIndex | None = None
