@@ -29,6 +29,12 @@ class Sandbox:
         self.logs = workspace / "logs"
         for d in (self.home / ".ssh", workspace / "tmp", self.logs):
             d.mkdir(parents=True, mode=0o700)
+        # vLLM inspects a model's class once per home, in a subprocess of its own (an import
+        # of vLLM and torch, seconds of a core), and keeps the answer here: the hosts get
+        # this machine's, as hosts that have served the model before.
+        modelinfos = Path.home() / ".cache" / "vllm" / "modelinfos"
+        if modelinfos.is_dir():
+            shutil.copytree(modelinfos, self.home / ".cache" / "vllm" / "modelinfos")
         # unshare dies with this process (setpriv --pdeathsig) and its child, the namespaces'
         # init, dies with unshare (--kill-child): even a killed test run leaves nothing behind.
         self._holder = subprocess.Popen(
