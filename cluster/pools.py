@@ -133,12 +133,13 @@ class Member:
         if self.load is None:
             return self._outstanding
         if self.feed is not None:
-            # Exact: the report names this router's requests among those the engine had, so
-            # none is lost or counted twice, however long one took to reach the engine after
-            # the router counted it. Clamped: the engine's counts and its feeds' are read a
-            # moment apart.
-            others = self.load.running + self.load.waiting - self.load.requests_from(self.feed)
-            return max(0, others) + self._outstanding
+            # The report names this router's requests, so none is lost or counted twice however
+            # long one took to reach the engine after the router counted it. The others' are
+            # the engine's counts less this router's, and at least their feeds' requests: a
+            # leg is in its feed's count before the engine takes it (at its next step), and
+            # subtracted from counts that lack it, it would hide another router's request.
+            counted = self.load.running + self.load.waiting - self.load.requests_from(self.feed)
+            return max(0, counted, self.load.requests_from_others(self.feed)) + self._outstanding
         # Without a feed (a prefill engine): the report's, plus what this router started
         # since it was measured, minus what it finished. A request that reaches the engine
         # after the measurement yet was started before it is missed until the next report.

@@ -24,8 +24,13 @@ class EngineLoad:
     requests_by_feed: tuple[tuple[str, int], ...] = ()
 
     def requests_from(self, feed: str) -> int:
-        """Of `running` and `waiting`, those started through `feed`."""
+        """Requests started through `feed` (its legs: each is counted here from its arrival,
+        in `running` or `waiting` only once the engine has taken it, at its next step)."""
         return next((count for name, count in self.requests_by_feed if name == feed), 0)
+
+    def requests_from_others(self, feed: str) -> int:
+        """Requests the other routers' feeds started here, by the same count."""
+        return sum(count for name, count in self.requests_by_feed if name != feed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -286,7 +286,9 @@ def test_a_decode_report_counts_this_routers_requests_once_however_late_they_rea
     the engine takes it at its next step). A report measured in between, by time alone,
     would drop the request from this router's count though the engine's count lacks it too:
     the engine would look one request lighter (two routers then piled 4:2 on two engines
-    in CI). The report names this router's feed's requests instead."""
+    in CI). The report names this router's feed's requests instead, and the other routers'
+    feeds': a leg in a feed before the engine has it must not hide another router's request
+    (tests/test_routers.py's balance test once ended 2:4, which this window fits)."""
     pool = Pool("decode", [_live("decode-0")])
     member = pool.members[0]
     member.feed = "router-a-feed"
@@ -297,8 +299,12 @@ def test_a_decode_report_counts_this_routers_requests_once_however_late_they_rea
             # Measured after the router counted it, before the engine had it: 2 others'.
             member.record_load(dataclasses.replace(LOAD, running=2, measured_at=time.time()))
             assert member.estimated_requests == 3
-            # The engine has it now: 2 others' and this router's 1.
             feeds = (("router-a-feed", 1), ("router-b-feed", 2))
+            # In this router's feed, not yet taken by the engine: still 2 others' (router b's),
+            # not the engine's 2 less this router's 1.
+            member.record_load(dataclasses.replace(LOAD, running=2, measured_at=time.time(), requests_by_feed=feeds))
+            assert member.estimated_requests == 3
+            # The engine has it now: 2 others' and this router's 1.
             member.record_load(dataclasses.replace(LOAD, running=3, measured_at=time.time(), requests_by_feed=feeds))
             assert member.estimated_requests == 3
         # Finished here, still on the engine's last report: the others' 2 remain.
