@@ -180,7 +180,9 @@ def reserved_side_channel(host: str) -> Iterator[SideChannel]:
     for free ports too: on a multi-host run one took it and the listener failed with "Address
     already in use". Held by a bound socket that does not listen, the port is given to no
     socket asking the kernel for a free one and to no outgoing connection; the listener's own
-    bind succeeds, as both sockets set SO_REUSEADDR and neither listens yet."""
+    bind succeeds, as both sockets set SO_REUSEADDR and neither listens yet. (vLLM hands a
+    bound socket itself to ZMQ elsewhere, `make_zmq_socket(listener=...)`; NixlConnector's
+    handshake listener takes only an address, from VLLM_NIXL_SIDE_CHANNEL_PORT.)"""
     import socket
 
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
