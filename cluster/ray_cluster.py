@@ -17,8 +17,11 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import psutil
 import ray
@@ -41,6 +44,14 @@ ISOLATION_ENV = {"RAY_AUTH_MODE": "token", "RAY_USAGE_STATS_ENABLED": "0"}
 WORKER_NICENESS_ENV = ("RAY_worker_niceness", "0")
 # What Ray 2.60 raises when its raylet misses its fixed registration wait (ray/_private/node.py).
 STARTUP_TIMEOUT = "timed out during startup"
+# A local cluster's temp dir (short: Ray's socket paths are length-limited) holds its Ray
+# logs, kept after it stops for a post-mortem. Ray keeps every session of /tmp/ray; a test
+# suite starts dozens of clusters, so a start removes the stopped ones beyond the newest few.
+TEMP_ROOT = Path("/tmp")
+TEMP_PREFIX = "pdray-"
+KEPT_STOPPED_TEMP_DIRS = 8
+# A dir younger than this may belong to a cluster whose processes are not up yet.
+TEMP_DIR_GRACE_S = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +73,10 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig(), attempts: int
     of the half-started one are stopped (`attempts` starts in all)."""
     _private_token_auth()
     os.environ.setdefault(*WORKER_NICENESS_ENV)
-    temp_dir = tempfile.mkdtemp(prefix="pdray-", dir="/tmp")  # short: Ray socket paths are length-limited
+    removed = remove_stopped_temp_dirs(TEMP_ROOT)
+    if removed:
+        log.info("removed %d stopped local clusters' temp dirs (Ray logs) from %s", len(removed), TEMP_ROOT)
+    temp_dir = tempfile.mkdtemp(prefix=TEMP_PREFIX, dir=TEMP_ROOT)
     try:
         _init_local(config, temp_dir)
     except Exception as err:
@@ -72,6 +86,31 @@ def start_local(config: LocalClusterConfig = LocalClusterConfig(), attempts: int
         log.warning("Ray's node did not register in time (%s): stopped its %d processes, starting again", err, stopped)
         return start_local(config, attempts - 1)
     return temp_dir
+
+
+def remove_stopped_temp_dirs(
+    root: Path, keep: int = KEPT_STOPPED_TEMP_DIRS, grace_s: float = TEMP_DIR_GRACE_S
+) -> list[Path]:
+    """Remove local clusters' temp dirs under `root` but the newest `keep`, leaving any that a
+    running process names (its cluster is up) or that is younger than `grace_s`. Another
+    user's dirs stay: removing them fails, and is skipped."""
+    in_use = " ".join(" ".join(p.info["cmdline"] or ()) for p in psutil.process_iter(["cmdline"]))
+    now = time.time()
+    stopped = []
+    for path in root.glob(f"{TEMP_PREFIX}*"):
+        try:
+            modified = path.lstat().st_mtime
+        except FileNotFoundError:  # another start removed it
+            continue
+        if path.is_dir() and not path.is_symlink() and now - modified > grace_s and str(path) not in in_use:
+            stopped.append((modified, path))
+    stopped.sort(reverse=True)
+    removed = []
+    for _, path in stopped[keep:]:
+        shutil.rmtree(path, ignore_errors=True)
+        if not path.exists():
+            removed.append(path)
+    return removed
 
 
 def _private_token_auth() -> None:

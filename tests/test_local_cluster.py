@@ -1,5 +1,6 @@
-"""The private local cluster: only a holder of its token gets in, and a node that misses Ray's
-fixed 30-s registration wait (a machine busy with other engines) is started again."""
+"""The private local cluster: only a holder of its token gets in, a node that misses Ray's
+fixed 30-s registration wait (a machine busy with other engines) is started again, and the
+temp dirs of stopped clusters do not pile up."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.engines
+from cluster.ray_cluster import KEPT_STOPPED_TEMP_DIRS, TEMP_DIR_GRACE_S, TEMP_PREFIX, remove_stopped_temp_dirs
 
 # The child: the raylet's registration lookup fails for the first node only, and Ray's wait
 # clock jumps past its 30 s there, so Ray raises its own startup timeout at once. The second
@@ -72,6 +75,7 @@ CHILD = textwrap.dedent(
 )
 
 
+@pytest.mark.engines
 def test_a_node_that_misses_rays_startup_wait_is_started_again():
     done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -112,3 +116,33 @@ def test_only_a_holder_of_the_clusters_token_is_answered(ray_cluster):
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (address, refused.value)
             assert call(channel, metadata=(("authorization", f"Bearer {token}"),), timeout=10) is not None
     assert len(token) == 64 and not os.path.exists(os.path.expanduser("~/.ray/auth_token"))
+
+
+def test_a_start_removes_stopped_clusters_temp_dirs_beyond_the_newest_few(tmp_path: Path):
+    """Stopped, old enough and beyond the newest KEPT_STOPPED_TEMP_DIRS: removed. A dir a
+    running process names (its cluster is up), a young one (its cluster may be starting) and
+    anything not a cluster's dir stay."""
+    old = time.time() - TEMP_DIR_GRACE_S - 60
+
+    def temp_dir(name: str, age_s: float) -> Path:
+        path = tmp_path / f"{TEMP_PREFIX}{name}"
+        (path / "session_latest" / "logs").mkdir(parents=True)
+        (path / "session_latest" / "logs" / "raylet.out").write_text("log")
+        os.utime(path, (old - age_s, old - age_s))
+        return path
+
+    stopped = [temp_dir(f"stopped{i:02d}", age_s=i) for i in range(KEPT_STOPPED_TEMP_DIRS + 4)]
+    running, young = temp_dir("running", age_s=100), tmp_path / f"{TEMP_PREFIX}young"
+    young.mkdir()
+    stranger = tmp_path / "ray"
+    stranger.mkdir()
+    os.utime(stranger, (old - 100, old - 100))
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", f"--temp-dir={running}"])
+    try:
+        removed = remove_stopped_temp_dirs(tmp_path)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert sorted(removed) == sorted(stopped[KEPT_STOPPED_TEMP_DIRS:])
+    assert [p for p in stopped if p.exists()] == stopped[:KEPT_STOPPED_TEMP_DIRS]
+    assert running.exists() and young.exists() and stranger.exists()
