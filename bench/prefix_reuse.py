@@ -540,25 +540,32 @@ CHAT_SYSTEMS = (
 @dataclass(frozen=True, slots=True)
 class Served:
     """A RAG system as its users run it: pdserve (`prefill`, `decode`, `flags` for `pdserve
-    serve`), or stock vLLM servers behind SMG with `smg_policy`."""
+    serve`), or stock vLLM servers behind SMG with `smg_policy`. A system without a prefill
+    pool (`prefill` 0: colocated pdserve, stock servers) runs `pool` engines, given by
+    `--engines`; `{pool}` in `label` names how many."""
 
     label: str
     prefill: int = 0
-    decode: int = 2
+    decode: int = 1
     flags: str = ""
     smg_policy: str | None = None
 
+    def with_pool(self, engines: int) -> Served:
+        """This system with its `{pool}` engines made `engines` (P/D systems keep their own)."""
+        decode = engines if self.prefill == 0 else self.decode
+        return dataclasses.replace(self, label=self.label.format(pool=engines), decode=decode)
+
 
 SERVED_SYSTEMS = {
-    "aware": Served("pdserve colocated, cache-aware", flags="--cache-aware"),
-    "blind": Served("pdserve colocated, cache-blind", flags="--no-cache-aware"),
+    "aware": Served("pdserve colocated x{pool}, cache-aware", flags="--cache-aware"),
+    "blind": Served("pdserve colocated x{pool}, cache-blind", flags="--no-cache-aware"),
     "aware-1p1d": Served("pdserve 1P+1D, cache-aware", 1, 1, "--cache-aware"),
     # Conditional disaggregation: a prompt its decode engine lacks at most 512 tokens of
     # (a later chat turn there) is prefilled there, and moves nothing.
     "local-1p1d": Served("pdserve 1P+1D, decode prefills <= 512", 1, 1, "--cache-aware --local-prefill-uncached 512"),
     "off-1p1d": Served("pdserve 1P+1D, caching off", 1, 1, "--no-enable-prefix-caching"),
-    "smg-aware": Served("stock vLLM x2, SMG cache_aware", smg_policy="cache_aware"),
-    "smg-rr": Served("stock vLLM x2, SMG round_robin", smg_policy="round_robin"),
+    "smg-aware": Served("stock vLLM x{pool}, SMG cache_aware", smg_policy="cache_aware"),
+    "smg-rr": Served("stock vLLM x{pool}, SMG round_robin", smg_policy="round_robin"),
 }
 DEFAULT_KV_CACHE_BYTES = 256 << 20  # pdserve's CPU default, per engine in every system
 
@@ -591,7 +598,8 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[Endpoint]:
                     print(f"{err}: a port was taken meanwhile; starting again on others", file=sys.stderr)
             yield Endpoint(system.urls[0], f"http://127.0.0.1:{metrics_port}/metrics")
             return
-        cores = sorted(os.sched_getaffinity(0))[:2]
+        usable = sorted(os.sched_getaffinity(0))[:2]
+        cores = [usable[i % len(usable)] for i in range(served.decode)]  # one server per core, in turn
         flags = ("--enable-prefix-caching", "--enable-prompt-tokens-details")
         stock = stock_vllm(resolve_model(args.model), cores, kv_cache_bytes, flags)
         started.append(stock)
@@ -719,6 +727,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--systems", nargs="+", choices=list(SERVED_SYSTEMS), default=list(SERVED_SYSTEMS), help="systems, in turn"
     )
+    parser.add_argument(
+        "--engines",
+        type=int,
+        default=2,
+        help="engines of each system without a prefill pool (pdserve colocated, stock servers), over the first two "
+        "cores in turn: with more engines, cache-blind routing finds a prompt's prefix on fewer of them",
+    )
     parser.add_argument("--smg", default=shutil.which("smg") or "smg", help="SMG's command (pip install smg)")
     parser.add_argument("--pdserve-eager", action="store_true", help="pdserve's CPU default (eager), not compiled")
     parser.add_argument(
@@ -737,7 +752,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace == "chat-handoff":
         start_local()
         return _chat_handoff(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
-    chosen = {key: SERVED_SYSTEMS[key] for key in args.systems}
+    chosen = {key: SERVED_SYSTEMS[key].with_pool(args.engines) for key in args.systems}
     if any(s.smg_policy for s in chosen.values()) and not shutil.which(args.smg):
         parser.error(f"--smg {args.smg}: not found; pip install smg (a virtual environment of its own will do)")
     trace: Trace

@@ -84,3 +84,10 @@ def test_no_strict_slo_ratio_without_a_stock_rate_in_slo(capsys):
     aware, smg_rr = (served.label for served in chosen.values())
     _print_ratios([{aware: [_report(aware, 2.0, 0.03)], smg_rr: [_report(smg_rr, 2.0, 2.0)]}], chosen, "req/s")
     assert f"{aware}: no stock setup kept >= 90% in SLO at any rate run" in capsys.readouterr().out
+
+
+def test_engines_size_the_systems_without_a_prefill_pool_and_their_labels_say_so():
+    aware, stock, pd = (SERVED_SYSTEMS[key].with_pool(4) for key in ("aware", "smg-aware", "aware-1p1d"))
+    assert (aware.decode, aware.label) == (4, "pdserve colocated x4, cache-aware")
+    assert (stock.decode, stock.label) == (4, "stock vLLM x4, SMG cache_aware")
+    assert (pd.prefill, pd.decode, pd.label) == (1, 1, SERVED_SYSTEMS["aware-1p1d"].label)
