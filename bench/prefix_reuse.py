@@ -6,11 +6,13 @@ same load generator sends it the same text prompts at the same Poisson arrivals.
 request by Zipf popularity (`--zipf`), each followed by a fresh `--question-tokens` question;
 `--output-tokens` out. Systems (`--systems`), one up at a time (an idle engine still costs CPU
 here), each given both cores:
-- pdserve colocated (2 engines), routing by where prefixes are cached, and blind to it;
+- pdserve colocated (`--engines`, 2 by default), routing by where prefixes are cached, and
+  blind to it;
 - pdserve 1P+1D, cache-aware; with its decode engine prefilling what it lacks <= 512 tokens
   of (conditional disaggregation); and with prefix caching off;
-- two stock vLLM OpenAI servers with prefix caching, one per core, behind SMG (`smg launch`,
-  the gateway a vLLM user would pick) with its `cache_aware` policy, and with `round_robin`.
+- as many stock vLLM OpenAI servers with prefix caching, over the cores in turn, behind SMG
+  (`smg launch`, the gateway a vLLM user would pick) with its `cache_aware` policy, and with
+  `round_robin`.
 pdserve's engines are compiled like the stock servers' (`--pdserve-eager`: its CPU default).
 Reported per system and rate: TTFT p50/p90, ITL p90, goodput under the SLO, and the share of
 prompt tokens served from a prefix cache (each server's own count, OpenAI usage
