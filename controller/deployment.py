@@ -42,6 +42,10 @@ from vllm_engine.config import EngineConfig, EngineSizing, resolve_model
 
 log = logging.getLogger(__name__)
 LINK_PROBE_TIMEOUT_S = 60.0  # a request-sized READ on the slowest link worth serving on
+# An engine asked to stop frees what it holds outside its own processes (a TP engine's vLLM
+# shared-memory queues in /dev/shm, up to hundreds of MB each); killed alone it leaves them, since
+# Ray kills the resource tracker that would unlink them with it. Killed anyway after this.
+ENGINE_STOP_GRACE_S = 20.0
 
 
 def default_cpu_cores() -> tuple[str, ...] | None:
@@ -376,6 +380,7 @@ class Deployment:
 
     async def _drain(self, member: Member, timeout_s: float) -> None:
         await self._wait_idle(member, timeout_s)
+        await asyncio.wait([asyncio.ensure_future(member.actor.shutdown.remote())], timeout=ENGINE_STOP_GRACE_S)
         self._remove(member)
 
     async def _wait_idle(self, member: Member, timeout_s: float) -> None:
@@ -442,9 +447,14 @@ class Deployment:
             remove_placement_group(placement)
 
     def shutdown(self) -> None:
+        """Ask every engine to stop, then kill it (answered or not, within ENGINE_STOP_GRACE_S)."""
         if self.orchestrator is not None:
             self.orchestrator.close()
-        for member in self.prefill.members + self.decode.members:
+        members = self.prefill.members + self.decode.members
+        if members:
+            stopping = [member.actor.shutdown.remote() for member in members]
+            ray.wait(stopping, num_returns=len(stopping), timeout=ENGINE_STOP_GRACE_S)
+        for member in members:
             self._remove(member)
         self.prefill.members.clear()
         self.decode.members.clear()

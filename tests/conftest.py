@@ -230,6 +230,9 @@ class ServedStack:
         return asyncio.run_coroutine_threadsafe(with_channel(), self.loop).result(timeout=timeout_s)
 
     def close(self) -> None:
+        """Stop serving and the engines it owns (once: a test may close it before its fixture)."""
+        if not self._thread.is_alive():
+            return
         asyncio.run_coroutine_threadsafe(self.stack.stop(engines=self._owns_engines), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)

@@ -203,6 +203,20 @@ def test_tp2_prefill_hands_off_to_tp1_decode(served_tp2, shared_deployment, refe
     assert_no_blocks_held(shared_deployment)
 
 
+def test_stopped_tp2_engines_leave_no_shared_memory(served_tp2):
+    """The TP 2 deployment's last test stops it. Its engines are asked to stop before they
+    are killed, so vLLM unlinks the shared-memory queues between each engine and its rank
+    processes; a kill alone leaves them in /dev/shm (Ray kills the resource tracker too)."""
+    held = set()
+    for member in served_tp2.dep.prefill.members + served_tp2.dep.decode.members:
+        engine = psutil.Process(ray.get(member.actor.pid.remote()))
+        for process in [engine, *engine.children(recursive=True)]:
+            held |= {m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_")}
+    assert held, "a TP engine and its ranks talk through shared-memory queues"
+    served_tp2.close()
+    assert [path for path in held if os.path.exists(path)] == []
+
+
 def test_unsupported_tp_pairing_is_refused_before_any_engine_starts():
     with pytest.raises(ValueError, match="one TP size must be a multiple of the other"):
         DeploymentConfig(

@@ -167,6 +167,8 @@ class EngineLoop:
         self._commands.put(None)
         self._wake.set()
         self._thread.join(timeout=10)
+        if not self._thread.is_alive():  # else stuck in a step: the caller kills the process
+            self._engine.engine_core.shutdown()  # a TP engine's workers and shared-memory queues
 
     async def on_every_rank(self, method: str, *args: Any) -> list[Any]:
         answer: asyncio.Queue[Any] = asyncio.Queue()
