@@ -21,6 +21,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, replace
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
@@ -146,6 +147,14 @@ class DeploymentConfig:
         n = len(self.cpu_cores)
         ranks = [self.cpu_cores[(first_core + r) % n] for r in range(config.tensor_parallel_size)]
         return config.with_cores("|".join(ranks))
+
+
+def ask_to_stop(engines: list[Any]) -> None:
+    """Ask engine actors to stop; return once all answered, or after ENGINE_STOP_GRACE_S
+    (the caller kills them either way)."""
+    if engines:
+        stopping = [engine.shutdown.remote() for engine in engines]
+        ray.wait(stopping, num_returns=len(stopping), timeout=ENGINE_STOP_GRACE_S)
 
 
 def check_tp_pairing(prefill_tp: int, decode_tp: int) -> None:
@@ -451,9 +460,7 @@ class Deployment:
         if self.orchestrator is not None:
             self.orchestrator.close()
         members = self.prefill.members + self.decode.members
-        if members:
-            stopping = [member.actor.shutdown.remote() for member in members]
-            ray.wait(stopping, num_returns=len(stopping), timeout=ENGINE_STOP_GRACE_S)
+        ask_to_stop([member.actor for member in members])
         for member in members:
             self._remove(member)
         self.prefill.members.clear()

@@ -26,7 +26,7 @@ import ray
 from conftest import assert_no_blocks_held, engine_counter, run, sigkill, wait_until
 from reference import prompt_of
 
-from controller.deployment import Deployment, DeploymentConfig
+from controller.deployment import Deployment, DeploymentConfig, ask_to_stop
 from messages.requests import GenerateRequest, SamplingConfig
 from messages.results import GenerationResult
 from vllm_engine.config import EngineConfig, EngineSizing
@@ -83,6 +83,7 @@ def tp2_prefill(served):
         "prefill-tp2", engine, dep.config.transfer
     )
     yield engine, actor
+    ask_to_stop([actor])  # its rank processes' shared-memory queues outlive a kill
     ray.kill(actor, no_restart=True)
 
 

@@ -167,8 +167,11 @@ class EngineLoop:
         self._commands.put(None)
         self._wake.set()
         self._thread.join(timeout=10)
-        if not self._thread.is_alive():  # else stuck in a step: the caller kills the process
-            self._engine.engine_core.shutdown()  # a TP engine's workers and shared-memory queues
+        # A TP engine's rank processes and the shared-memory queues to them outlive a kill of
+        # this process; a one-process engine's resources go with it (its shutdown, ~1 s, is
+        # skipped). A loop stuck in a step is left to the caller's kill.
+        if self._engine.vllm_config.parallel_config.world_size > 1 and not self._thread.is_alive():
+            self._engine.engine_core.shutdown()
 
     async def on_every_rank(self, method: str, *args: Any) -> list[Any]:
         answer: asyncio.Queue[Any] = asyncio.Queue()
