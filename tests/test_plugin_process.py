@@ -7,7 +7,8 @@ in a fresh process after `register()`, as vLLM runs it.
   failure end to end on an AMX host; this checks the request on any x86-64 host.
 - The sampler's logprob-rank op, eager on CPU: vLLM compiles it on first use, inside the
   first logprobs request's time to first token.
-- Decoding keeps a hybrid's last state checkpoints, not one at every block end."""
+- Decoding keeps a hybrid's last state checkpoints, not one at every block end.
+- The process's gloo groups share one device, so one TCP loop thread, not one per group."""
 
 from __future__ import annotations
 
@@ -39,7 +40,16 @@ rank = sampler.batched_count_greater_than
 x = torch.tensor([[0.5, -1.0, 2.0, 0.1]])
 compiled = hasattr(rank, "_torchdynamo_orig_callable")
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager
+import tempfile, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.FileStore(tempfile.mktemp(), 1), rank=0, world_size=1)
+groups = [dist.new_group([0], backend="gloo") for _ in range(3)]  # vLLM's: one per dimension
+total = torch.ones(1)
+for group in groups:
+    dist.all_reduce(total, group=group)
+names = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+loops = [name for name in names if name == "gloo_tcp_loop"]
 print(json.dumps({
+    "gloo_groups": 1 + len(groups), "gloo_loop_threads": len(loops), "gloo_sum": total.item(),
     "rolls_decode_checkpoints": getattr(MambaManager.cache_blocks, "keeps_last_decode_checkpoints", False),
     "has_amx": torch.cpu._is_amx_tile_supported(), "tiles_before": before, "tiles_after": tiles_allowed(),
     "rank_compiled": compiled, "ranks": None if compiled else rank(x, x[:, :1]).tolist(),
@@ -80,3 +90,11 @@ def test_another_vllm_process_keeps_vllms_compiled_rank_op():
     plugin too, and stays stock: its rank op and its decode checkpoints."""
     stock = _probe("stock")
     assert stock["rank_compiled"] and not stock["rolls_decode_checkpoints"]
+    assert stock["gloo_loop_threads"] == stock["gloo_groups"]
+
+
+def test_an_engines_gloo_groups_share_one_device_and_work(process):
+    """One TCP loop thread (each wakes every 10 ms) for all the process's groups, which still
+    reduce (tests/test_tensor_parallel.py's TP 2 engines run vLLM's collectives across ranks)."""
+    assert process["gloo_groups"] == 4 and process["gloo_loop_threads"] == 1
+    assert process["gloo_sum"] == 1.0

@@ -24,6 +24,8 @@ pyproject.toml) in every process it starts, before the model and the KV connecto
   with a port and cores of its own no engine ever found another's compiled model, nor its
   own after a restart. Neither changes the compiled code: the port is left out of the key,
   and a binding counts by its cores per rank.
+- CPU only, pdserve's engines only: one gloo device for all of a process's groups
+  (`share_one_gloo_device`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ def register() -> None:
         from vllm_engine.decode_checkpoints import install as keep_last_decode_checkpoints
 
         keep_last_decode_checkpoints()
+        share_one_gloo_device()
     _share_compile_cache_key()
 
     if os.environ.get(DIM_FIRST_CONV_UPDATE_ENV) == "1":
@@ -105,6 +108,37 @@ def allow_amx_tiles() -> None:
 
     if torch.cpu._is_amx_tile_supported():
         torch.cpu._init_amx()
+
+
+def share_one_gloo_device() -> None:
+    """vLLM makes a process group per parallel dimension (TP, PP, DP, EP, ...), each twice
+    (device and CPU groups, both gloo on CPU), at TP 1 too, and torch gives each gloo group a
+    device of its own, whose TCP loop thread wakes every 10 ms: 13 threads an engine process,
+    half of an idle CPU engine's CPU time (docs/benchmarks.md). One device serves many
+    groups (gloo keys each group's connections apart), so the process's groups share one."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    import torch.distributed.distributed_c10d as c10d
+
+    gloo = c10d.ProcessGroupGloo
+    if getattr(gloo, "shares_one_device", False):
+        return
+    devices: list = []
+
+    class ProcessGroupGlooOnOneDevice(gloo):  # type: ignore[misc, valid-type]
+        shares_one_device = True
+
+        def __init__(self, store, rank: int, size: int, timeout) -> None:  # noqa: ANN001
+            if not devices:
+                devices.append(gloo.create_default_device())
+            options = gloo._Options()
+            options._devices = devices
+            options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = ProcessGroupGlooOnOneDevice
 
 
 def rank_logprobs_eagerly() -> None:
