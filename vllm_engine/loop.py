@@ -34,10 +34,9 @@ if TYPE_CHECKING:
     from kv_transfer.layout import StateLayout
 
 # How often a loop with nothing to compute still steps while a KV connector holds finished
-# requests' blocks (a producer waiting for decode's read notification, or for a lease to
-# run out): such a step only frees blocks, and a command wakes the loop at once. An empty
-# step costs about 1 ms of CPU here: polled every 1 ms, a held handoff kept a third of a
-# core busy until decode read it.
+# requests' blocks (a producer waiting for decode's read, or for a lease to run out). Such a
+# step only frees blocks and a command wakes the loop at once, so it need not be frequent:
+# empty steps are not free (docs/benchmarks.md, "Idle engines spent a sixth of it").
 _HELD_POLL_S = 0.05
 _IDLE_WAIT_S = 1.0  # nothing held: only a command, which wakes the loop, brings work
 

@@ -113,9 +113,10 @@ def allow_amx_tiles() -> None:
 def share_one_gloo_device() -> None:
     """vLLM makes a process group per parallel dimension (TP, PP, DP, EP, ...), each twice
     (device and CPU groups, both gloo on CPU), at TP 1 too, and torch gives each gloo group a
-    device of its own, whose TCP loop thread wakes every 10 ms: 13 threads an engine process,
-    half of an idle CPU engine's CPU time (docs/benchmarks.md). One device serves many
-    groups (gloo keys each group's connections apart), so the process's groups share one."""
+    device of its own, whose TCP loop thread wakes every 10 ms, busy or not (what that costs
+    an idle engine: docs/benchmarks.md). One device serves many groups (gloo keys each
+    group's connections apart), so the process's groups share one. `_Options` is torch's
+    own, unexported: tests/test_plugin_process.py notices if a torch upgrade changes it."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
