@@ -95,12 +95,15 @@ class RouterPolicy:
         "(this router's copies of their indexes): an engine computing the prompt (prefill; colocated decode) is "
         "picked by the least work (uncached + queued uncached prompt tokens), decode after a handoff by the most held",
     )
+    # 3 rather than 1: a popular document's requests then spread to an idle engine, which
+    # keeps it too, instead of piling onto the one engine holding it (docs/benchmarks.md,
+    # "Streams decoding on an engine weigh three times").
     decoding_stream_weight: float = knob(
-        1.0,
+        3.0,
         help="engines that prefill and decode (colocated; a decode engine prefilling): each stream on one "
         "counts this share of a new prompt's uncached tokens against it, since the prompt's prefill steps hold "
-        "that stream's next token (0: the prompt's own work alone, which draws requests sharing a short prefix "
-        "to one engine)",
+        "that stream's next token (0: the prompt's own work alone, which draws requests sharing a prefix to one "
+        "engine; higher: a prompt cached on a busy engine goes to an idle one sooner, which then holds it too)",
     )
     index_copy_wait_s: float = knob(
         0.05,
