@@ -11,9 +11,9 @@ import pytest
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
 
 from cluster.pools import Member, Pool
-from router.orchestrator import RouterPolicy
 from kv_transfer.layout import CacheGroup, GroupKind, StateLayout
 from messages.reports import PrefixHit
+from router.orchestrator import RouterPolicy
 from vllm_engine.kv_events import index_changes
 from vllm_engine.prefix_index import BlockHashing, PrefixIndex
 
@@ -248,8 +248,8 @@ def test_streams_decoding_on_an_engine_weigh_against_a_small_hit_there_not_a_lar
 def test_at_the_default_weight_a_popular_document_spreads_to_an_idle_engine():
     # RAG: a ~1,840-token prompt, its first 1,536 tokens a document d0 holds. With one stream
     # decoding on d0 it stays there (a hit beats a whole document's prefill); with two, the
-    # idle engine takes it and holds the document too. At weight 1 the document stayed on d0
-    # however many streams it had, one engine taking every request for it.
+    # idle engine takes it and holds the document too. At weight 1 it stayed on d0 until six
+    # streams decoded there, so one engine took nearly every request for it.
     decode = Pool("decode", [_member("d0"), _member("d1")])
     document = {"d0": PrefixHit(1536, 1536), "d1": PrefixHit()}
     weight = RouterPolicy().decoding_stream_weight
