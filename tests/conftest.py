@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import Any, Awaitable, Callable, TypeVar
 
 import pytest
 
 T = TypeVar("T")
+
+# Ray writes a token here when a cluster starts with token auth and none given; what the file
+# held before this session's clusters started (a user's own, or none): ours must leave it so.
+RAY_TOKEN_FILE = Path.home() / ".ray" / "auth_token"
+RAY_TOKEN_FILE_BEFORE = RAY_TOKEN_FILE.read_bytes() if RAY_TOKEN_FILE.is_file() else None
 
 # Modules that start engines or clusters without the session's Ray cluster (a `pdserve serve`
 # process, `ray up`, a vLLM engine in the test's own process, a fresh install): `make test-fast`

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RAY_TOKEN_FILE, RAY_TOKEN_FILE_BEFORE
 
 from cluster.ray_cluster import KEPT_STOPPED_TEMP_DIRS, TEMP_DIR_GRACE_S, TEMP_PREFIX, remove_stopped_temp_dirs
 
@@ -89,7 +90,7 @@ def test_a_node_that_misses_rays_startup_wait_is_started_again():
 def test_only_a_holder_of_the_clusters_token_is_answered(ray_cluster):
     """Ray's GCS and raylet listen on every interface (Ray 2.60 binds them so whatever the
     node address): a call without the session cluster's token, or with another, is refused;
-    with it, answered. No token file is written."""
+    with it, answered. No token file is written (a user's own stays as it was)."""
     import grpc
     from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, node_manager_pb2, node_manager_pb2_grpc
 
@@ -115,7 +116,8 @@ def test_only_a_holder_of_the_clusters_token_is_answered(ray_cluster):
                     call(channel, metadata=stranger, timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED, (address, refused.value)
             assert call(channel, metadata=(("authorization", f"Bearer {token}"),), timeout=10) is not None
-    assert len(token) == 64 and not os.path.exists(os.path.expanduser("~/.ray/auth_token"))
+    assert len(token) == 64
+    assert (RAY_TOKEN_FILE.read_bytes() if RAY_TOKEN_FILE.is_file() else None) == RAY_TOKEN_FILE_BEFORE
 
 
 def test_a_start_removes_stopped_clusters_temp_dirs_beyond_the_newest_few(tmp_path: Path):
