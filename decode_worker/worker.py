@@ -6,22 +6,21 @@ all running requests together. Without a handle the engine prefills the prompt i
 which is also how the colocated baseline runs (`transfer=None`: no connector at all).
 
 Routers use the batched form: the feed at `feed_address()` streams, a batch per engine step,
-the tokens of every request the subscriber starts on it (decode_worker/feed.py).
+the tokens of every request the subscriber starts on it (vllm_engine/feed.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, AsyncIterator, Callable
+from typing import TYPE_CHECKING, AsyncIterator
 
-from decode_worker.feed import FeedHub, FeedServer
-from kv_transfer.connector_config import Role, TransferConfig
+from kv_transfer.connector_config import Role
 from kv_transfer.consumer import check_loaded
 from messages.reports import EngineLoad
 from messages.requests import GenerateRequest
-from messages.results import FeedAddress, TokenChunk
+from messages.results import StartLeg, TokenChunk
 from messages.transfer import TransferHandle
-from vllm_engine.config import EngineConfig
+from vllm_engine.feed import FeedCommands
 from vllm_engine.sampling import engine_prompt, sampling_params, token_chunk
 from vllm_engine.worker_base import EngineWorker
 
@@ -31,19 +30,6 @@ if TYPE_CHECKING:
 
 class DecodeWorker(EngineWorker):
     connector_role = Role.DECODE
-
-    def __init__(
-        self,
-        name: str,
-        engine_config: EngineConfig,
-        transfer: TransferConfig | None,
-        host: str = "127.0.0.1",
-        on_fatal: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        """`host` is also where routers reach this worker's feeds."""
-        self._feeds = FeedHub()
-        self._feed_server = FeedServer(self._feeds, host, self.start_leg, self.abort_leg)
-        super().__init__(name, engine_config, transfer, host, on_fatal)
 
     def load(self) -> EngineLoad:
         """The engine's load, with its requests counted by the feed that started each."""
@@ -63,22 +49,14 @@ class DecodeWorker(EngineWorker):
         async for chunk in self._admit(request, handle):
             yield chunk
 
-    async def feed_address(self) -> FeedAddress:
-        """Where the feeds are: a subscriber connects, starts its requests there and gets,
-        a batch per engine step, the tokens of each."""
-        return await self._feed_server.address()
-
     def start_leg(self, subscriber: str, request: GenerateRequest, handle: TransferHandle | None) -> None:
         """Start decoding into `subscriber`'s feed; a bad request or an expired handle is
         refused (raised) here, later failures arrive in the feed."""
         self._feeds.start(subscriber, request.request_id, self._admit(request, handle))
 
-    def abort_leg(self, request_id: str) -> None:
-        self._feeds.abort(request_id)
-
-    def renew_feed(self, subscriber: str) -> None:
-        """The subscriber is alive: keep its feed (and requests) going."""
-        self._feeds.renew(subscriber)
+    def _feed_commands(self) -> FeedCommands:
+        start = {StartLeg: lambda subscriber, command: self.start_leg(subscriber, command.request, command.handle)}
+        return {**super()._feed_commands(), **start}
 
     def _admit(self, request: GenerateRequest, handle: TransferHandle | None) -> AsyncIterator[TokenChunk]:
         """Check the request now; its tokens stream when the result is iterated."""

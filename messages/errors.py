@@ -58,13 +58,17 @@ class DecodeFailedError(RuntimeError):
 
 
 class LegStalledError(DecodeFailedError):
-    """A decode leg heard nothing for the stall timeout: its engine is stuck, or cut off from
-    this router while still alive; its request moves to another decode actor."""
+    """A leg heard nothing for the stall timeout: its engine is stuck, or cut off from this
+    router while still alive; its request moves to another actor of the pool."""
 
 
 class FeedLostError(ConnectionError):
-    """A decode actor's token feed to this router broke: the actor died (or the network
-    failed); its requests move to another decode actor, as for any decode actor's death."""
+    """A worker actor's feed to this router broke: the actor died (or the network failed);
+    its legs move to another actor of the pool, as for any actor's death."""
+
+
+class LegAbortedError(RuntimeError):
+    """A worker stopped a leg at its router's word (the caller left, or its prefill timed out)."""
 
 
 class EngineDeadError(RuntimeError):
@@ -79,7 +83,7 @@ UNAVAILABLE: dict[type[BaseException], str] = {
     PrefillFailedError: "prefill failed: retry",
     PrefillTimeoutError: "prefill timed out: retry",
     DecodeFailedError: "the decode engine serving this request failed: retry",
-    FeedLostError: "the decode engine serving this request failed: retry",
+    FeedLostError: "the engine serving this request failed: retry",
     EngineDeadError: "an engine serving this request died: retry",
     DrainingError: "this router is shutting down: retry on another",
 }

@@ -1,5 +1,6 @@
-"""What comes back: token chunks as they are produced, a decode feed's per-request events,
-the prefill worker's result and the router's final result of a request."""
+"""What comes back: token chunks as they are produced, a worker feed's per-leg events and
+the commands that start and stop legs, the prefill worker's result and the router's final
+result of a request."""
 
 from __future__ import annotations
 
@@ -59,28 +60,28 @@ class TokenChunk(PicklesPositionally):
         )
 
 
-# A decode feed is a lease: its router renews it every FEED_RENEW_S; one not renewed for
+# A worker feed is a lease: its router renews it every FEED_RENEW_S; one not renewed for
 # FEED_TIMEOUT_S (the router died: Ray does not cancel a dead caller's stream) ends, and
-# the decode engine aborts every request still on it.
+# the worker aborts every leg still on it.
 FEED_TIMEOUT_S = 10.0
 FEED_RENEW_S = 1.0
-# A decode actor writes to each feed at least this often, an empty batch when it has nothing
+# A worker writes to each feed at least this often, an empty batch when it has nothing
 # else: a router tells a quiet engine (busy prefilling a long prompt, or a request queued
 # behind others) from a gone one (dead, stuck, or cut off) by whether its feed still speaks.
 FEED_HEARTBEAT_S = 1.0
-# On a feed's connection (decode_worker/feed.py <-> router/feeds.py), a frame is the
+# On a feed's connection (vllm_engine/feed.py <-> router/feeds.py), a frame is the
 # payload's length in these many bytes (big-endian), then the pickled payload: from the
 # actor, a list of LegEvents (an empty frame first tells the router its feed is open: it may
-# start requests on it); from the router, one StartLeg or AbortLeg.
+# start legs on it); from the router, one command (StartLeg, StartPrefill or AbortLeg).
 FEED_FRAME_HEADER_BYTES = 4
-# The largest frame a decode actor reads from a router (a StartLeg of a maximum-length prompt
-# is a few MiB); a bigger length ends the connection.
+# The largest frame a worker reads from a router (a StartLeg of a maximum-length prompt is
+# a few MiB); a bigger length ends the connection.
 FEED_MAX_COMMAND_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
 class FeedAddress:
-    """Where a router reaches a decode actor's feeds, and the secret it says hello with: only
+    """Where a router reaches a worker actor's feeds, and the secret it says hello with: only
     a caller of the actor (through Ray, the cluster's trusted channel) learns it."""
 
     host: str
@@ -90,11 +91,12 @@ class FeedAddress:
 
 @dataclass(frozen=True, slots=True)
 class LegEvent(PicklesPositionally):
-    """One request's news in a decode feed's batch: its new tokens, or the error that ended
-    it. `leg_id` is the id the engine serves the request under."""
+    """One leg's news in a worker feed's batch: its output (a decode leg's new tokens, a
+    prefill leg's result), or the error that ended it. `leg_id` is the id the engine serves
+    the request under."""
 
     leg_id: str
-    chunk: TokenChunk | None = None
+    output: LegOutput | None = None
     error: BaseException | None = None
 
 
@@ -106,12 +108,31 @@ class StartLeg(PicklesPositionally):
     request: GenerateRequest
     handle: TransferHandle | None = None
 
+    @property
+    def leg_id(self) -> str:
+        return self.request.request_id
+
+
+@dataclass(frozen=True, slots=True)
+class StartPrefill(PicklesPositionally):
+    """A router's frame on its feed: prefill `request` and keep its state for decode; the
+    PrefillResult (or why not) comes back in the feed."""
+
+    request: GenerateRequest
+
+    @property
+    def leg_id(self) -> str:
+        return self.request.request_id
+
 
 @dataclass(frozen=True, slots=True)
 class AbortLeg(PicklesPositionally):
-    """A router's frame on its feed: stop decoding `leg_id` (its caller left)."""
+    """A router's frame on its feed: stop `leg_id` (its caller left, or its prefill timed out)."""
 
     leg_id: str
+
+
+FeedCommand = StartLeg | StartPrefill | AbortLeg
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,3 +164,6 @@ class GenerationResult:
     # Speculative decoding: draft tokens the decode engines proposed, and accepted.
     draft_tokens: int = 0
     accepted_draft_tokens: int = 0
+
+
+LegOutput = TokenChunk | PrefillResult  # what a decode leg, a prefill leg, sends back

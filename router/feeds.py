@@ -1,5 +1,6 @@
-"""The router's end of the decode feeds (decode_worker/feed.py): one connection per decode
-actor for this router process, fanned out to the requests it carries."""
+"""The router's end of the worker feeds (vllm_engine/feed.py): one connection per worker
+actor for this router process, fanned out to the legs it carries (decode legs' tokens into
+their inboxes, prefill legs' results into their futures)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,17 @@ from typing import Any
 
 from messages.errors import FeedLostError, LegStalledError
 from messages.requests import GenerateRequest
-from messages.results import FEED_FRAME_HEADER_BYTES, FEED_RENEW_S, AbortLeg, FeedAddress, LegEvent, StartLeg
+from messages.results import (
+    FEED_FRAME_HEADER_BYTES,
+    FEED_RENEW_S,
+    AbortLeg,
+    FeedAddress,
+    FeedCommand,
+    LegEvent,
+    PrefillResult,
+    StartLeg,
+    StartPrefill,
+)
 from messages.transfer import TransferHandle
 
 log = logging.getLogger(__name__)
@@ -54,13 +65,14 @@ class LegInbox:
         return events
 
 
-class DecodeFeed:
-    """This router's feed from the decode actor `name`, and its requests' way in: each is
-    started and aborted with a frame on the feed's connection, and reads its own inbox of
-    LegEvents; if the feed breaks (the actor died), every request on it gets a FeedLostError,
-    and a stalled request a LegStalledError (`fail_stalled` says when). Closing it ends the
-    feed on the actor, with every request on it; while it runs, the router also renews its
-    lease there (which ends a feed whose router vanished without closing it)."""
+class WorkerFeed:
+    """This router's feed from the worker actor `name`, and its legs' way in: each is started
+    and aborted with a frame on the feed's connection; a decode leg reads its own inbox of
+    LegEvents, a prefill leg awaits its result's future. If the feed breaks (the actor died),
+    every leg on it gets a FeedLostError, and a stalled leg a LegStalledError (`fail_stalled`
+    says when). Closing it ends the feed on the actor, with every leg on it; while it runs,
+    the router also renews its lease there (which ends a feed whose router vanished without
+    closing it)."""
 
     def __init__(self, name: str, actor: Any, stall_timeout_s: float, first_event_timeout_s: float) -> None:
         self.name = name
@@ -70,6 +82,8 @@ class DecodeFeed:
         self._first_event_timeout_s = first_event_timeout_s
         self._heard_at = time.monotonic()  # the feed's last frame (heartbeats included)
         self._legs: dict[str, LegInbox] = {}
+        self._prefills: dict[str, asyncio.Future[PrefillResult]] = {}
+        self._unsent: list[FeedCommand] = []
         self._writer: asyncio.StreamWriter | None = None
         self._loop = asyncio.get_running_loop()
         # Set once the actor has opened the feed (requests started before would be lost):
@@ -105,14 +119,26 @@ class DecodeFeed:
         arrives in its inbox as the leg's error."""
         self._send(StartLeg(request, handle))
 
+    def prefill(self, request: GenerateRequest) -> asyncio.Future[PrefillResult]:
+        """Prefill `request` on the actor (as soon as the feed opens). The future settles with
+        the result or the error that ended the leg (a refusal, LegAbortedError after
+        `abort_leg`, FeedLostError, LegStalledError) whether or not anyone still awaits it:
+        an abandoned leg's late result still names the blocks to free."""
+        result = self._prefills[request.request_id] = self._loop.create_future()
+        self._send(StartPrefill(request))
+        return result
+
     def abort_leg(self, leg_id: str) -> None:
         """Stop `leg_id` on the actor. On a broken feed there is nothing left to stop: the
-        actor aborted the feed's requests when its connection closed."""
+        actor aborted the feed's legs when its connection closed."""
         self._send(AbortLeg(leg_id))
 
-    def _send(self, command: StartLeg | AbortLeg) -> None:
+    def _send(self, command: FeedCommand) -> None:
+        if self._writer is None and not self._opened.done():
+            self._unsent.append(command)  # written as the feed opens
+            return
         if self._writer is None or self._writer.is_closing():
-            return  # never opened or broken: the leg's inbox hears why
+            return  # never opened or broken: the leg hears why
         payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         self._writer.write(len(payload).to_bytes(FEED_FRAME_HEADER_BYTES, "big") + payload)
 
@@ -138,20 +164,30 @@ class DecodeFeed:
             await asyncio.sleep(FEED_RENEW_S)
 
     def fail_stalled(self) -> None:
-        """A request stalls, gets a LegStalledError (then aborts itself on the actor, and
+        """A decode leg stalls, gets a LegStalledError (then aborts itself on the actor, and
         moves to another one), when it hears nothing for `stall_timeout_s` and either the
         whole feed was as quiet (the actor is gone, stuck or cut off: its heartbeats stopped)
-        or its tokens had begun (decoding stopped). Before its first token a request on a
-        live feed may wait `first_event_timeout_s`: it may be prefilling a long prompt on the
-        decode engine, or queued there behind others."""
+        or its tokens had begun (decoding stopped). Before its first token a leg on a live
+        feed may wait `first_event_timeout_s`: it may be prefilling a long prompt on the
+        decode engine, or queued there behind others. A prefill leg stalls only with its
+        feed (the router's prefill timeout bounds a slow one)."""
         now = time.monotonic()
         feed_silent = now - self._heard_at > self._stall_timeout_s
+        if feed_silent:
+            stalled = LegStalledError(f"worker actor {self.name} sent nothing for {now - self._heard_at:.0f}s")
+            self._settle_prefills(stalled)
         for leg_id, inbox in self._legs.items():
             quiet = now - inbox.last_event_at
             limit = self._stall_timeout_s if inbox.started or feed_silent else self._first_event_timeout_s
             if quiet > limit:
                 why = "sent nothing" if feed_silent else "sent no token of it"
                 inbox.put(LegStalledError(f"decode actor {self.name} {why} for {quiet:.0f}s while serving {leg_id}"))
+
+    def _settle_prefills(self, error: BaseException) -> None:
+        prefills, self._prefills = self._prefills, {}
+        for result in prefills.values():
+            if not result.done():
+                result.set_exception(error)
 
     async def _run(self) -> None:
         writer: asyncio.StreamWriter | None = None
@@ -160,8 +196,11 @@ class DecodeFeed:
             reader, writer = await asyncio.open_connection(address.host, address.port)
             writer.write(f"{self.subscriber} {address.token}\n".encode())
             if int.from_bytes(await reader.readexactly(FEED_FRAME_HEADER_BYTES), "big") != 0:
-                raise ConnectionError("the decode actor did not open the feed")
+                raise ConnectionError("the worker actor did not open the feed")
             self._writer = writer
+            unsent, self._unsent = self._unsent, []
+            for command in unsent:
+                self._send(command)
             self._heard_at = time.monotonic()
             self._opened.set_result(None)
             while True:
@@ -170,19 +209,34 @@ class DecodeFeed:
                 self._heard_at = time.monotonic()
                 for event in batch:
                     inbox = self._legs.get(event.leg_id)
-                    if inbox is not None:  # None: the request left and aborted it
+                    if inbox is not None:
                         inbox.put(event)
+                    elif (result := self._prefills.pop(event.leg_id, None)) is not None:
+                        _settle(result, event)
+                    # else: a decode leg whose request left and aborted it
         except asyncio.CancelledError:
             raise
         except Exception as err:  # only a dying actor (or network) ends it: every listener must hear of it
-            log.warning("decode feed from %s (%s) broke: %r", self.name, self.subscriber, err)
-            lost = FeedLostError(f"the feed from decode actor {self.name} broke: {err!r}")
+            log.warning("feed from %s (%s) broke: %r", self.name, self.subscriber, err)
+            lost = FeedLostError(f"the feed from worker actor {self.name} broke: {err!r}")
             if not self._opened.done():
                 self._opened.set_result(lost)
             for inbox in self._legs.values():
                 inbox.put(lost)
+            self._settle_prefills(lost)
         finally:
+            closed = FeedLostError(f"the feed from worker actor {self.name} was closed")
             if not self._opened.done():  # closed before it opened
-                self._opened.set_result(FeedLostError(f"the feed from decode actor {self.name} was closed"))
+                self._opened.set_result(closed)
+            self._settle_prefills(closed)
             if writer is not None:
                 writer.close()
+
+
+def _settle(result: asyncio.Future[PrefillResult], event: LegEvent) -> None:
+    if result.done():
+        return
+    if event.error is not None:
+        result.set_exception(event.error)
+    else:
+        result.set_result(event.output)

@@ -4,11 +4,12 @@ Where prefill samples the first token (hybrids, prefill_worker/worker.py) it goe
 caller as soon as prefill returns, and decode continues from it; a first token that ends
 the request is never decoded.
 
-The caller iterates `generate()`; leaving the iteration early (client cancel, deadline)
-cancels whichever Ray task is running, which aborts the request in that engine and frees
-its blocks there. A decode actor that dies mid-stream is, by policy, replaced: the request
-is resumed (prompt + tokens already streamed) on another decode actor, and the caller sees
-one uninterrupted stream.
+Both legs start on this router's feed to the engine's actor (router/feeds.py), not as Ray
+calls. The caller iterates `generate()`; leaving the iteration early (client cancel,
+deadline) aborts the decode leg in its engine, which frees its blocks there; a prefill leg
+is let finish, and its blocks freed then. A decode actor that dies mid-stream is, by
+policy, replaced: the request is resumed (prompt + tokens already streamed) on another
+decode actor, and the caller sees one uninterrupted stream.
 """
 
 from __future__ import annotations
@@ -21,9 +22,6 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Literal, Mapping
-
-import ray
-from ray.exceptions import RayActorError
 
 from messages.errors import (
     DecodeFailedError,
@@ -40,7 +38,7 @@ from configuration.fields import knob
 from messages.timings import LatencySummary, PhaseTimings
 from messages.transfer import TransferBytes, TransferHandle
 from router import metrics
-from router.feeds import DecodeFeed
+from router.feeds import WorkerFeed
 from router.journal import RequestJournal
 from router.prefix_copies import PrefixCopies
 from router.shadow_verification import ShadowVerifier, emitted_logprobs, without_logprobs
@@ -221,8 +219,9 @@ class Orchestrator:
         # the baseline disaggregation is measured against, behind the same router.
         self.colocated = not prefill.members
         self._background: set[asyncio.Task[None]] = set()  # releases in flight
-        # One batched token stream per decode actor for this router (router/feeds.py).
-        self._feeds: dict[str, DecodeFeed] = {}
+        # One feed per worker actor for this router (router/feeds.py): its legs start there
+        # and their outputs (decode's batched tokens, prefill's results) come back there.
+        self._feeds: dict[str, WorkerFeed] = {}
         self.shadow = ShadowVerifier(policy.verify_fraction, policy.verify_tokens) if policy.verify_fraction else None
         self.prefix_copies = PrefixCopies()
         if policy.cache_aware:  # started now, ready by the first request
@@ -233,7 +232,7 @@ class Orchestrator:
         self.prefix_copies.close()
 
     async def close_feeds(self) -> None:
-        """End the decode feeds opened on the running loop, whose actors then abort what they
+        """End the worker feeds opened on the running loop, whose actors then abort what they
         still carry. A front that stops while others share this orchestrator (in-process
         stacks) leaves their feeds, each on its own loop, as they are."""
         loop = asyncio.get_running_loop()
@@ -319,7 +318,7 @@ class Orchestrator:
                     break
             # The decode actor died, or went silent (stuck, or cut off from this router): out of
             # this router's rotation until a load poll reaches it again.
-            except (RayActorError, FeedLostError, LegStalledError) as err:
+            except (FeedLostError, LegStalledError) as err:
                 decode_member.mark_dead(f"failed serving {leg.request_id}: {type(err).__name__}")
                 failover = self.failover(
                     migrations, grammar_started=bool(progress.token_ids) and leg.sampling.structured is not None
@@ -420,6 +419,7 @@ class Orchestrator:
         `uncached_tokens`: the prompt tokens it computes first (none when handed off)."""
         async with self.decode.in_flight(member, prompt_tokens=uncached_tokens) as counted:
             feed = self._feed(member)
+            member.feed = feed.subscriber  # its load reports count this router's legs by it
             inbox = feed.open_leg(request.request_id)
             started = finished = False
             try:
@@ -435,7 +435,7 @@ class Orchestrator:
                             raise event
                         if event.error is not None:
                             raise event.error
-                        chunks.append(event.chunk)
+                        chunks.append(event.output)
                     # Tokens that arrived together (this stream's caller was still writing the
                     # last ones) go out as one message: fewer writes, and no token waits longer.
                     chunk = chunks[0] if len(chunks) == 1 else TokenChunk.joined(chunks)
@@ -454,16 +454,15 @@ class Orchestrator:
                     # still hold the blocks; have it free them now, not at lease expiry.
                     self._release_soon(handle)
 
-    def _feed(self, member: Member) -> DecodeFeed:
+    def _feed(self, member: Member) -> WorkerFeed:
         """This router's feed from `member`, reopened after the actor restarted."""
         feed = self._feeds.get(member.name)
         if feed is None or not feed.usable or feed.actor != member.actor:
             if feed is not None:
                 feed.close()
             policy = self.policy
-            feed = DecodeFeed(member.name, member.actor, policy.stall_timeout_s, policy.prefill_timeout_s)
+            feed = WorkerFeed(member.name, member.actor, policy.stall_timeout_s, policy.prefill_timeout_s)
             self._feeds[member.name] = feed
-        member.feed = feed.subscriber
         return feed
 
     async def cached_prefixes(
@@ -501,7 +500,7 @@ class Orchestrator:
             try:
                 uncached = len(request.prompt_token_ids) - (plan.route.cached_tokens or 0)
                 return member, await self._prefill(member, request, uncached), plan
-            except RayActorError as err:
+            except (FeedLostError, LegStalledError) as err:  # the actor died, or went silent
                 member.mark_dead(f"failed prefilling {request.request_id}: {type(err).__name__}")
 
     async def _decode_route(self, leg: GenerateRequest, plan: PrefillPlan, handed_off: bool) -> RouteDecision:
@@ -529,14 +528,14 @@ class Orchestrator:
         """The prefill leg on `member`, which computes `uncached_tokens` of the prompt (its queue's
         measure for the next pick)."""
         async with self.prefill.in_flight(member, prompt_tokens=uncached_tokens):
-            ref = member.actor.prefill.remote(request)
-            pending = asyncio.ensure_future(_resolve(ref))
+            feed = self._feed(member)
+            pending = feed.prefill(request)
             try:
                 return await asyncio.wait_for(asyncio.shield(pending), self.policy.prefill_timeout_s)
-            except RayActorError:
-                raise  # the actor died: it holds no blocks to free
+            except (FeedLostError, LegStalledError):
+                raise  # the actor died or went silent: its blocks are gone, or its lease frees them
             except asyncio.TimeoutError:
-                ray.cancel(ref)
+                feed.abort_leg(request.request_id)  # its last word settles `pending`
                 self._release_when_done(pending)
                 raise PrefillTimeoutError(
                     f"prefill actor {member.name} did not finish within {self.policy.prefill_timeout_s:.0f}s"
@@ -596,7 +595,3 @@ def _timings(arrived: float, prefill: PrefillResult | None, prefill_done: float,
         e2e_s=time.perf_counter() - arrived,
         transfer_bytes=prefill.handle.bytes if decoded else TransferBytes(0, 0),
     )
-
-
-async def _resolve(ref):  # noqa: ANN001, ANN202 (a Ray ObjectRef, and what it holds)
-    return await ref

@@ -1,22 +1,15 @@
-"""Decode feeds without engines: batching, aborts and cleanup in FeedHub (decode_worker/feed.py),
-and the feed connection between a router (router/feeds.py) and a FeedServer on loopback.
-The real path (engine actors streaming to the router) runs in every P/D test."""
+"""Worker feeds without engines: batching, aborts and cleanup in FeedHub (vllm_engine/feed.py),
+and the feed connection between a router (router/feeds.py) and a FeedServer on loopback,
+decode legs' tokens and prefill legs' results. The real path (engine actors on their feeds
+to the router) runs in every P/D test."""
 
 import asyncio
 
 import pytest
 
-from decode_worker.feed import FeedHub
-from messages.results import LegEvent, TokenChunk
-
-
-async def _tokens(step: asyncio.Event, n: int, closed: list[str], name: str):
-    try:
-        for i in range(n):
-            await step.wait()
-            yield TokenChunk((i,), str(i), "length" if i == n - 1 else None)
-    finally:
-        closed.append(name)
+from vllm_engine.feed import FeedHub
+from feed_actors import FeedActor, SilentActor, tokens
+from messages.results import LegEvent, StartLeg, TokenChunk
 
 
 def test_what_is_ready_goes_out_in_one_batch_for_every_request():
@@ -26,7 +19,7 @@ def test_what_is_ready_goes_out_in_one_batch_for_every_request():
         first = asyncio.ensure_future(anext(feed))
         await asyncio.sleep(0)
         for name in ("r1", "r2", "r3"):
-            hub.start("router-a", name, _tokens(step, 2, closed, name))
+            hub.start("router-a", name, tokens(step, 2, closed, name))
         step.set()  # both tokens of every request are ready at once
         batch = await first
         await feed.aclose()
@@ -43,14 +36,14 @@ def test_closing_a_feed_aborts_its_requests_and_refuses_new_ones():
         feed = hub.stream("router-a")
         pending = asyncio.ensure_future(anext(feed))
         await asyncio.sleep(0)
-        hub.start("router-a", "r1", _tokens(never, 5, closed, "r1"))
+        hub.start("router-a", "r1", tokens(never, 5, closed, "r1"))
         await asyncio.sleep(0)
         pending.cancel()  # what Ray does when the router dies or cancels the stream
         await asyncio.gather(pending, return_exceptions=True)
         await feed.aclose()
         await asyncio.sleep(0.01)
         with pytest.raises(ConnectionError, match="open a new one"):
-            hub.start("router-a", "r2", _tokens(never, 1, closed, "r2"))
+            hub.start("router-a", "r2", tokens(never, 1, closed, "r2"))
         return hub, closed
 
     hub, closed = asyncio.run(scenario())
@@ -63,9 +56,9 @@ def test_the_hub_counts_each_feeds_requests_until_they_end():
 
     async def scenario():
         hub, step, never, closed = FeedHub(), asyncio.Event(), asyncio.Event(), []
-        hub.start("router-a", "a1", _tokens(step, 1, closed, "a1"))
-        hub.start("router-a", "a2", _tokens(never, 5, closed, "a2"))
-        hub.start("router-b", "b1", _tokens(never, 5, closed, "b1"))
+        hub.start("router-a", "a1", tokens(step, 1, closed, "a1"))
+        hub.start("router-a", "a2", tokens(never, 5, closed, "a2"))
+        hub.start("router-b", "b1", tokens(never, 5, closed, "b1"))
         started = hub.requests_by_feed()
         step.set()
         for _ in range(100):
@@ -101,13 +94,13 @@ def test_a_request_failure_reaches_its_router_as_an_event():
         return batch
 
     (event,) = asyncio.run(scenario())
-    assert event.leg_id == "r1" and isinstance(event.error, RuntimeError) and event.chunk is None
+    assert event.leg_id == "r1" and isinstance(event.error, RuntimeError) and event.output is None
 
 
 def test_a_request_for_a_feed_nobody_reads_leaves_nothing_behind():
     async def scenario():
         hub, step, closed = FeedHub(), asyncio.Event(), []
-        hub.start("router-gone", "r1", _tokens(step, 2, closed, "r1"))
+        hub.start("router-gone", "r1", tokens(step, 2, closed, "r1"))
         step.set()
         await asyncio.sleep(0.01)
         return hub, closed
@@ -124,8 +117,8 @@ def test_a_feed_left_unrenewed_ends_and_aborts_its_requests():
         kept, lost = hub.stream("router-alive"), hub.stream("router-dead")
         kept_next, lost_next = asyncio.ensure_future(anext(kept)), asyncio.ensure_future(anext(lost))
         await asyncio.sleep(0)
-        hub.start("router-alive", "r-alive", _tokens(never, 5, closed, "r-alive"))
-        hub.start("router-dead", "r-dead", _tokens(never, 5, closed, "r-dead"))
+        hub.start("router-alive", "r-alive", tokens(never, 5, closed, "r-alive"))
+        hub.start("router-dead", "r-dead", tokens(never, 5, closed, "r-dead"))
         for _ in range(8):  # only one subscriber renews
             await asyncio.sleep(0.05)
             hub.renew("router-alive")
@@ -133,7 +126,7 @@ def test_a_feed_left_unrenewed_ends_and_aborts_its_requests():
         await asyncio.sleep(0.01)
         aborted, alive = list(closed), not kept_next.done()
         with pytest.raises(ConnectionError, match="has ended"):
-            hub.start("router-dead", "r-late", _tokens(never, 1, closed, "r-late"))
+            hub.start("router-dead", "r-late", tokens(never, 1, closed, "r-late"))
         kept_next.cancel()
         await asyncio.gather(kept_next, return_exceptions=True)
         await kept.aclose()
@@ -145,22 +138,7 @@ def test_a_feed_left_unrenewed_ends_and_aborts_its_requests():
     assert alive
 
 
-class _SilentActor:
-    """A decode actor whose feed never sends anything (the router's side under test)."""
-
-    class _Method:
-        def __init__(self, reply):
-            self._reply = reply
-
-        def remote(self, *args):
-            return self._reply()
-
-    def __init__(self):
-        self.feed_address = self._Method(lambda: asyncio.Event().wait())  # never connects
-        self.renew_feed = self._Method(lambda: None)
-
-
-def test_a_request_takes_every_event_that_arrived_and_joins_their_tokens():
+def test_a_request_takes_every_event_that_arrived_and_joins_theirtokens():
     from router.feeds import LegInbox
 
     async def scenario():
@@ -174,17 +152,17 @@ def test_a_request_takes_every_event_that_arrived_and_joins_their_tokens():
 
     events = asyncio.run(scenario())
     assert len(events) == 2
-    joined = TokenChunk.joined([e.chunk for e in events])
+    joined = TokenChunk.joined([e.output for e in events])
     assert joined == TokenChunk((1, 2, 3), "xyz", "length", ((1, -0.5), (2, -0.1), (3, -0.2)), produced_at=1.0)
 
 
 def test_a_request_on_a_silent_feed_stalls_naming_the_actor():
     """The actor's feed says nothing (no heartbeat): its requests stall, started or not."""
     from messages.errors import DecodeFailedError
-    from router.feeds import DecodeFeed
+    from router.feeds import WorkerFeed
 
     async def scenario():
-        feed = DecodeFeed("decode-7", _SilentActor(), stall_timeout_s=0.05, first_event_timeout_s=60)
+        feed = WorkerFeed("decode-7", SilentActor(), stall_timeout_s=0.05, first_event_timeout_s=60)
         quiet, busy = feed.open_leg("quiet-leg"), feed.open_leg("busy-leg")
         await asyncio.sleep(0.1)
         busy.put(LegEvent("busy-leg", TokenChunk((1,), "x")))
@@ -194,19 +172,19 @@ def test_a_request_on_a_silent_feed_stalls_naming_the_actor():
     (stalled,), (event,) = asyncio.run(scenario())
     assert isinstance(stalled, DecodeFailedError) and "sent nothing" in str(stalled)
     assert "decode-7" in str(stalled) and "quiet-leg" in str(stalled)
-    assert event.chunk.token_ids == (1,)
+    assert event.output.token_ids == (1,)
 
 
-def test_a_live_feed_lets_a_request_wait_for_its_first_token_but_not_between_tokens():
+def test_a_live_feed_lets_a_request_wait_for_its_first_token_but_not_betweentokens():
     """Heartbeats keep the feed speaking: a request that has no token yet (a long prefill on
     the decode engine, a queue) waits up to the first-event timeout; one whose tokens stopped
     stalls after the stall timeout; a negative control past the first-event timeout stalls."""
     from messages.errors import DecodeFailedError
-    from router.feeds import DecodeFeed
+    from router.feeds import WorkerFeed
 
     async def scenario():
-        actor = _ActorServing(heartbeat_s=0.05)
-        feed = DecodeFeed("decode-5", actor, stall_timeout_s=0.3, first_event_timeout_s=2.5)
+        actor = FeedActor(heartbeat_s=0.05)
+        feed = WorkerFeed("decode-5", actor, stall_timeout_s=0.3, first_event_timeout_s=2.5)
         await feed.opened()
         waiting, stopped = feed.open_leg("prefilling"), feed.open_leg("stopped")
         stopped.put(LegEvent("stopped", TokenChunk((1,), "x")))
@@ -233,38 +211,14 @@ def test_per_step_messages_survive_pickling():
     assert pickle.loads(pickle.dumps([event, LegEvent("leg", error=ValueError("bad"))]))[0] == event
 
 
-class _ActorServing:
-    """A decode actor's feed side, real FeedHub and FeedServer on a loopback socket; each
-    request it starts streams `len(prompt)` tokens, one per `step`, or is refused if its
-    prompt holds a 0."""
-
-    def __init__(self, heartbeat_s: float = 1.0):
-        from decode_worker.feed import FeedServer
-
-        self.hub = FeedHub(heartbeat_s=heartbeat_s)
-        self.step = asyncio.Event()
-        self.closed: list[str] = []
-        self.server = FeedServer(self.hub, "127.0.0.1", self._start_leg, self.hub.abort)
-        self.feed_address = _SilentActor._Method(self.server.address)
-        self.renew_feed = _SilentActor._Method(lambda: None)
-
-    def _start_leg(self, subscriber, request, handle):
-        from messages.errors import InvalidRequestError
-
-        if 0 in request.prompt_token_ids:
-            raise InvalidRequestError("prompt_token_ids", "hold a 0")
-        leg_id = request.request_id
-        self.hub.start(subscriber, leg_id, _tokens(self.step, len(request.prompt_token_ids), self.closed, leg_id))
-
-
 def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_back_in_the_feed():
     from messages.errors import InvalidRequestError
     from messages.requests import GenerateRequest
-    from router.feeds import DecodeFeed
+    from router.feeds import WorkerFeed
 
     async def scenario():
-        actor = _ActorServing()
-        feed = DecodeFeed("decode-1", actor, stall_timeout_s=60, first_event_timeout_s=60)
+        actor = FeedActor()
+        feed = WorkerFeed("decode-1", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()
         inboxes = {name: feed.open_leg(name) for name in ("short", "long", "bad")}
         feed.start_leg(GenerateRequest("short", (5, 6)), None)
@@ -272,7 +226,7 @@ def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_bac
         feed.start_leg(GenerateRequest("bad", (3, 0)), None)
         actor.step.set()
         short = []
-        while not short or short[-1].chunk.finish_reason is None:
+        while not short or short[-1].output.finish_reason is None:
             short += await asyncio.wait_for(inboxes["short"].take(), 5)
         (refusal,) = await asyncio.wait_for(inboxes["bad"].take(), 5)
         feed.abort_leg("long")
@@ -281,7 +235,7 @@ def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_bac
                 break
             await asyncio.sleep(0.01)
         feed.close()
-        return [e.chunk.token_ids for e in short], refusal, actor.closed
+        return [e.output.token_ids for e in short], refusal, actor.closed
 
     short, refusal, closed = asyncio.run(scenario())
     assert short == [(0,), (1,)]
@@ -291,25 +245,25 @@ def test_requests_start_and_abort_over_the_feed_connection_and_refusals_come_bac
 
 
 def test_tokens_cross_the_feed_connection_and_closing_it_aborts_the_requests():
-    from router.feeds import DecodeFeed
+    from router.feeds import WorkerFeed
 
     async def scenario():
-        actor, step, closed = _ActorServing(), asyncio.Event(), []
-        feed = DecodeFeed("decode-0", actor, stall_timeout_s=60, first_event_timeout_s=60)
+        actor, step, closed = FeedActor(), asyncio.Event(), []
+        feed = WorkerFeed("decode-0", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()  # as the orchestrator does before starting requests
         inboxes = {name: feed.open_leg(name) for name in ("r1", "r2")}
-        actor.hub.start(feed.subscriber, "r1", _tokens(step, 2, closed, "r1"))
-        actor.hub.start(feed.subscriber, "r2", _tokens(step, 10, closed, "r2"))
+        actor.hub.start(feed.subscriber, "r1", tokens(step, 2, closed, "r1"))
+        actor.hub.start(feed.subscriber, "r2", tokens(step, 10, closed, "r2"))
         step.set()
         received = []
-        while len(received) < 2 or received[-1].chunk.finish_reason is None:
+        while len(received) < 2 or received[-1].output.finish_reason is None:
             received += await inboxes["r1"].take()
         feed.close()  # r2 is still running: the actor must abort it
         for _ in range(100):
             if "r2" in closed:
                 break
             await asyncio.sleep(0.01)
-        return [e.chunk.token_ids for e in received], closed
+        return [e.output.token_ids for e in received], closed
 
     r1_tokens, closed = asyncio.run(scenario())
     assert r1_tokens == [(0,), (1,)]
@@ -324,7 +278,7 @@ def test_an_orchestrator_closes_the_feeds_of_its_loop_and_the_actor_aborts_their
     from router.orchestrator import Orchestrator, RouterPolicy
 
     async def scenario():
-        actor = _ActorServing()
+        actor = FeedActor()
         member = Member("decode-0", actor)
         orchestrator = Orchestrator(Pool("prefill"), Pool("decode", [member]), ModelLimits(64, 100), RouterPolicy())
         feed = orchestrator._feed(member)
@@ -341,7 +295,7 @@ def test_an_orchestrator_closes_the_feeds_of_its_loop_and_the_actor_aborts_their
             if "r1" in actor.closed:
                 break
             await asyncio.sleep(0.01)
-        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and "DecodeFeed" in repr(t)]
+        pending = [t for t in asyncio.all_tasks() if t is not asyncio.current_task() and "WorkerFeed" in repr(t)]
         return feed.subscriber, carried, actor.closed, pending, orchestrator._feed(member) is not feed
 
     subscriber, carried, closed, pending, reopened = asyncio.run(scenario())
@@ -351,14 +305,14 @@ def test_an_orchestrator_closes_the_feeds_of_its_loop_and_the_actor_aborts_their
 
 def test_a_feed_connection_that_breaks_fails_every_request_on_it():
     from messages.errors import FeedLostError
-    from router.feeds import DecodeFeed
+    from router.feeds import WorkerFeed
 
     async def scenario():
-        actor = _ActorServing()
-        feed = DecodeFeed("decode-3", actor, stall_timeout_s=60, first_event_timeout_s=60)
+        actor = FeedActor()
+        feed = WorkerFeed("decode-3", actor, stall_timeout_s=60, first_event_timeout_s=60)
         await feed.opened()
         inbox = feed.open_leg("r1")
-        actor.hub.start(feed.subscriber, "r1", _tokens(asyncio.Event(), 5, [], "r1"))
+        actor.hub.start(feed.subscriber, "r1", tokens(asyncio.Event(), 5, [], "r1"))
         actor.server._server.close()  # the actor dies: its sockets close
         for task in asyncio.all_tasks():
             if task.get_coro().__qualname__ == "FeedServer._serve":
@@ -370,12 +324,83 @@ def test_a_feed_connection_that_breaks_fails_every_request_on_it():
     assert not usable
 
 
+def test_prefills_sent_before_the_feed_opens_come_back_with_their_results_or_refusals():
+    """A prefill leg starts on the feed (no Ray call): started before the connection is up,
+    it goes out as it opens; its result, or the actor's refusal, settles its future."""
+    from messages.errors import InvalidRequestError
+    from messages.requests import GenerateRequest
+    from router.feeds import WorkerFeed
+
+    async def scenario():
+        actor = FeedActor()
+        actor.prefill_gate.set()
+        feed = WorkerFeed("prefill-0", actor, stall_timeout_s=60, first_event_timeout_s=60)
+        good = feed.prefill(GenerateRequest("p-good", (5, 6, 7)))
+        bad = feed.prefill(GenerateRequest("p-bad", (5, 0)))
+        result = await asyncio.wait_for(good, 5)
+        refusal = await asyncio.wait_for(asyncio.gather(bad, return_exceptions=True), 5)
+        feed.close()
+        return result, refusal[0], feed._prefills
+
+    result, refusal, left = asyncio.run(scenario())
+    assert result.handle.request_id == "p-good" and result.first.token_ids == (9,) and result.cached_tokens == 3
+    assert isinstance(refusal, InvalidRequestError) and "hold a 0" in str(refusal)
+    assert left == {}
+
+
+def test_an_aborted_prefill_says_so_and_a_broken_feed_fails_the_prefills_on_it():
+    """A timed-out prefill is aborted on the actor, whose last word settles it (a result
+    that came first would name blocks to free); the others on a feed that breaks fail."""
+    from messages.errors import FeedLostError, LegAbortedError
+    from messages.requests import GenerateRequest
+    from router.feeds import WorkerFeed
+
+    async def scenario():
+        actor = FeedActor()  # its prefills wait for a gate that never opens
+        feed = WorkerFeed("prefill-1", actor, stall_timeout_s=60, first_event_timeout_s=60)
+        aborted, cut_off = (feed.prefill(GenerateRequest(name, (5, 6))) for name in ("p-aborted", "p-cut-off"))
+        await feed.opened()
+        while actor.prefills < 2:
+            await asyncio.sleep(0.01)
+        feed.abort_leg("p-aborted")
+        abort = await asyncio.wait_for(asyncio.gather(aborted, return_exceptions=True), 5)
+        actor.server._server.close()  # the actor dies: its sockets close
+        for task in asyncio.all_tasks():
+            if task.get_coro().__qualname__ == "FeedServer._serve":
+                task.cancel()
+        lost = await asyncio.wait_for(asyncio.gather(cut_off, return_exceptions=True), 5)
+        return abort[0], lost[0], actor.closed
+
+    abort, lost, closed = asyncio.run(scenario())
+    assert isinstance(abort, LegAbortedError) and "p-aborted" in str(abort)
+    assert isinstance(lost, FeedLostError) and "prefill-1" in str(lost)
+    assert sorted(closed) == ["p-aborted", "p-cut-off"]  # the actor stopped both engine legs
+
+
+def test_a_prefill_on_a_silent_feed_stalls():
+    from messages.errors import LegStalledError
+    from messages.requests import GenerateRequest
+    from router.feeds import WorkerFeed
+
+    async def scenario():
+        feed = WorkerFeed("prefill-2", SilentActor(), stall_timeout_s=0.05, first_event_timeout_s=60)
+        pending = feed.prefill(GenerateRequest("p-1", (5, 6)))
+        await asyncio.sleep(0.1)
+        feed.fail_stalled()
+        stalled = await asyncio.gather(pending, return_exceptions=True)
+        feed.close()
+        return stalled[0]
+
+    stalled = asyncio.run(scenario())
+    assert isinstance(stalled, LegStalledError) and "prefill-2 sent nothing" in str(stalled)
+
+
 def test_the_feed_port_drops_silent_peers_and_second_readers():
-    from decode_worker.feed import FeedServer
+    from vllm_engine.feed import FeedServer
 
     async def scenario():
         hub = FeedHub()
-        server = FeedServer(hub, "127.0.0.1", lambda *args: None, lambda leg_id: None, hello_timeout_s=0.2)
+        server = FeedServer(hub, "127.0.0.1", {}, hello_timeout_s=0.2)
         address = await server.address()
 
         async def connect(hello: bytes | None):
@@ -412,11 +437,11 @@ def test_a_frame_that_is_not_a_feed_command_ends_the_connection_without_running_
     import os
     import pickle
 
-    from decode_worker.feed import FeedServer
+    from vllm_engine.feed import FeedServer
 
     async def scenario():
         hub, started = FeedHub(), []
-        server = FeedServer(hub, "127.0.0.1", lambda *args: started.append(args), lambda leg_id: None)
+        server = FeedServer(hub, "127.0.0.1", {StartLeg: lambda *args: started.append(args)})
         address = await server.address()
         reader, writer = await asyncio.open_connection(address.host, address.port)
         writer.write(f"router-a {address.token}\n".encode())

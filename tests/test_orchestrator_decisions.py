@@ -1,8 +1,10 @@
 """The orchestrator's choices as records: where a leg prefills, what becomes of a stream
-whose decode engine died, and the prefill's in-flight count undone however the call ends.
+whose decode engine died, the prefill's in-flight count undone however the call ends, and a
+prefill left behind (timed out, or its caller gone) aborted or its blocks freed.
 
-Fast unit tests on stand-in pools and actor handles; the real paths (a killed decode actor
-mid-stream, no live prefill engine) run in test_faults.py."""
+Fast unit tests on stand-in pools and actors (real feeds on loopback, tests/feed_actors.py);
+the real paths (a killed actor mid-stream, no live prefill engine, deadlines anywhere in a
+request) run in test_faults.py and test_front_door.py."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import pytest
 from ray.exceptions import ActorDiedError
 
 from cluster.pools import Member, Pool
-from messages.errors import NoWorkerError
+from feed_actors import FeedActor, Method
+from messages.errors import NoWorkerError, PrefillTimeoutError
 from messages.membership import Lifecycle
 from messages.reports import PrefixHit
 from messages.requests import GenerateRequest, ModelLimits, SamplingConfig
@@ -22,25 +25,25 @@ from router.orchestrator import Orchestrator, RouterPolicy
 REQUEST = GenerateRequest("r-1", tuple(range(1, 17)), SamplingConfig(max_tokens=2))
 
 
-class _Prefill:
-    """`actor.prefill.remote(request)`: answers `outcome` (an exception is raised), or hangs."""
+class _DeadActor:
+    """An actor Ray says is gone when a router asks where its feed is."""
 
-    def __init__(self, outcome) -> None:  # noqa: ANN001
-        self.outcome = outcome
-        self.prefill = self
+    def __init__(self) -> None:
         self.calls = 0
+        self.feed_address = Method(self._gone)
+        self.renew_feed = Method(lambda *args: None)
 
-    def remote(self, request: GenerateRequest):  # noqa: ANN201
+    async def _gone(self):  # noqa: ANN202
         self.calls += 1
+        raise ActorDiedError()
 
-        async def call():  # noqa: ANN202
-            if self.outcome == "hang":
-                await asyncio.sleep(60)
-            if isinstance(self.outcome, BaseException):
-                raise self.outcome
-            return self.outcome
 
-        return call()
+def _prefill(answers: bool = True) -> FeedActor:
+    """A prefill actor on a real feed: it answers each prefill at once, or never."""
+    actor = FeedActor()
+    if answers:
+        actor.prefill_gate.set()
+    return actor
 
 
 def _orchestrator(*prefill_actors, policy: RouterPolicy = RouterPolicy()) -> Orchestrator:  # noqa: ANN002
@@ -55,7 +58,7 @@ def _orchestrator(*prefill_actors, policy: RouterPolicy = RouterPolicy()) -> Orc
 
 
 def test_where_a_leg_prefills_and_why():
-    remote = _orchestrator(_Prefill("done"))
+    remote = _orchestrator(_prefill())
     plan = remote.plan_prefill(REQUEST)
     assert plan.reason == "prefill pool" and plan.route.member.name == "prefill-0"
     assert plan.route.reason == "only live member"
@@ -65,7 +68,7 @@ def test_where_a_leg_prefills_and_why():
     assert colocated.plan_prefill(REQUEST).reason == "colocated"
     remote.prefill.members[0].mark_dead("test")
     assert remote.plan_prefill(REQUEST).reason == "no live prefill engine"  # policy "local": degraded
-    strict = _orchestrator(_Prefill("done"), policy=RouterPolicy(on_prefill_unavailable="fail"))
+    strict = _orchestrator(_prefill(), policy=RouterPolicy(on_prefill_unavailable="fail"))
     strict.prefill.members[0].mark_dead("test")
     with pytest.raises(NoWorkerError):
         strict.plan_prefill(REQUEST)
@@ -73,7 +76,7 @@ def test_where_a_leg_prefills_and_why():
 
 def test_a_decode_engine_holding_all_but_a_few_tokens_prefills_them_itself():
     policy = RouterPolicy(local_prefill_uncached=4)
-    orchestrator = _orchestrator(_Prefill("done"), policy=policy)
+    orchestrator = _orchestrator(_prefill(), policy=policy)
     decode = [Member(f"decode-{i}", None) for i in range(2)]
     for member in decode:
         member.mark_live()
@@ -88,7 +91,7 @@ def test_a_decode_engine_holding_all_but_a_few_tokens_prefills_them_itself():
     four = GenerateRequest("r-3", (1, 2, 3, 4), SamplingConfig(max_tokens=2))
     assert orchestrator.plan_prefill(four).reason == "short prompt"
     # Off (the default without a planner model): the prefill pool, whatever decode holds.
-    off = _orchestrator(_Prefill("done"))
+    off = _orchestrator(_prefill())
     off.decode = orchestrator.decode
     all_of_it = {"decode-0": PrefixHit(16, 16), "decode-1": PrefixHit(16, 16)}
     assert off.plan_prefill(REQUEST, {}, all_of_it).reason == "prefill pool"
@@ -130,7 +133,7 @@ def test_a_structured_output_streamed_in_part_is_not_migrated():
 
 
 def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
-    dying, healthy = _Prefill(ActorDiedError()), _Prefill("prefilled")
+    dying, healthy = _DeadActor(), _prefill()
     orchestrator = _orchestrator(dying, healthy)
     first, second = orchestrator.prefill.members
 
@@ -139,14 +142,14 @@ def test_a_prefill_engine_that_dies_is_marked_and_the_leg_planned_again():
             return await orchestrator._prefill_or_local(REQUEST)
 
     member, result, plan = asyncio.run(scenario())
-    assert result == "prefilled" and member is second and plan.route.member is second
-    assert (dying.calls, healthy.calls) == (1, 1)
+    assert result.handle.request_id.startswith("r-1") and member is second and plan.route.member is second
+    assert (dying.calls, healthy.prefills) == (1, 1)
     assert first.lifecycle is Lifecycle.DEAD
     assert [(m.outstanding_requests, m.outstanding_prompt_tokens) for m in orchestrator.prefill.members] == [(0, 0)] * 2
 
 
 def test_a_cancelled_prefill_is_no_longer_counted():
-    orchestrator = _orchestrator(_Prefill("hang"))
+    orchestrator = _orchestrator(_prefill(answers=False))
     member = orchestrator.prefill.members[0]
 
     async def scenario() -> None:
@@ -161,3 +164,36 @@ def test_a_cancelled_prefill_is_no_longer_counted():
     asyncio.run(scenario())
     assert (member.outstanding_requests, member.outstanding_prompt_tokens) == (0, 0)
     assert member.live  # leaving is the client's doing, not the engine's
+
+
+def test_a_timed_out_prefill_is_aborted_and_a_left_one_frees_its_blocks_when_it_ends():
+    """Timed out: the actor stops the leg, and nothing is left to free. The caller gone (a
+    prefill is often one engine step, which completes anyway): its result, when it comes,
+    names the blocks the router has freed at once rather than at the lease's end."""
+    stuck, slow = _prefill(answers=False), _prefill(answers=False)
+    timing_out = _orchestrator(stuck, policy=RouterPolicy(prefill_timeout_s=0.2))
+    left = _orchestrator(slow)
+    freed = []
+    timing_out._release_soon = left._release_soon = freed.append
+
+    async def scenario():  # noqa: ANN202
+        with pytest.raises(PrefillTimeoutError, match="prefill-0 did not finish within 0s"):
+            await timing_out._prefill_or_local(REQUEST)
+        while not stuck.closed:
+            await asyncio.sleep(0.01)
+        aborted = (list(stuck.closed), list(freed))
+        leg = asyncio.ensure_future(left._prefill_or_local(REQUEST))
+        while slow.prefills == 0:
+            await asyncio.sleep(0.01)
+        leg.cancel()  # the client left
+        await asyncio.gather(leg, return_exceptions=True)
+        slow.prefill_gate.set()
+        while not freed:
+            await asyncio.sleep(0.01)
+        return aborted
+
+    (aborted, freed_then) = asyncio.run(scenario())
+    assert len(aborted) == 1 and aborted[0].startswith("r-1") and freed_then == []
+    (handle,) = freed
+    assert handle.request_id == slow.closed[0]  # the left leg's own blocks
+    assert timing_out.prefill.members[0].live and left.prefill.members[0].live

@@ -1,4 +1,5 @@
-"""What every worker role offers around its engine, whatever it does with requests."""
+"""What every worker role offers around its engine, whatever it does with requests: its
+feeds to the routers among them (vllm_engine/feed.py), on which each role starts its legs."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from kv_transfer.metrics import serve_metrics
 from kv_transfer.producer import TransferProducer
 from messages.reports import EngineCapacity, EngineLoad, PrefixIndexUpdate
 from messages.requests import ModelLimits
+from messages.results import AbortLeg, FeedAddress
 from vllm_engine.config import EngineConfig
 from vllm_engine.engine import Engine, EngineWiring, exit_for_restart, start_engine
+from vllm_engine.feed import FeedCommands, FeedHub, FeedServer
 from vllm_engine.kv_events import EngineSockets, EventSubscriber
 from vllm_engine.prefix_index import BlockHashing, PrefixIndex
 from vllm_engine.sizing import bf16_without_cpu_support
@@ -44,8 +47,10 @@ class EngineWorker:
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         """`transfer=None`: a colocated engine, without a connector. `host`: the worker's
-        node address, where its NIXL side channel listens."""
+        node address, where its NIXL side channel and its feeds listen."""
         self.name = name
+        self._feeds = FeedHub()
+        self._feed_server = FeedServer(self._feeds, host, self._feed_commands())
         self._config = engine_config
         self._transfer = transfer
         self._probe: ProbeSource | None = None
@@ -85,6 +90,22 @@ class EngineWorker:
 
     def ready(self) -> str:
         return self.engine_id
+
+    async def feed_address(self) -> FeedAddress:
+        """Where the feeds are: a router connects, starts its legs there and gets their
+        outputs (a decode leg's tokens, a batch per engine step; a prefill leg's result)."""
+        return await self._feed_server.address()
+
+    def renew_feed(self, subscriber: str) -> None:
+        """The subscriber is alive: keep its feed (and legs) going."""
+        self._feeds.renew(subscriber)
+
+    def abort_leg(self, leg_id: str) -> None:
+        self._feeds.abort(leg_id)
+
+    def _feed_commands(self) -> FeedCommands:
+        """The commands a router may send on its feed here; each role adds the legs it runs."""
+        return {AbortLeg: lambda _subscriber, command: self.abort_leg(command.leg_id)}
 
     def load(self) -> EngineLoad:
         """Cheap load report; carries the engine id so a router notices a restart, and when it

@@ -1,13 +1,15 @@
-"""Decode feeds: one stream per router process carrying every one of its requests' new
-tokens, a batch per engine step, instead of one message per request per token. Tokens are
-not held back: a batch goes out as soon as the step's outputs are in, whatever their number.
+"""Worker feeds: one connection per router process to each worker actor, carrying every
+leg that router starts there: a decode leg's new tokens, a batch per engine step, instead
+of one message per request per token (tokens are not held back: a batch goes out as soon as
+the step's outputs are in, whatever their number), and a prefill leg's result.
 
-The batches travel over a plain TCP connection from the decode actor to the router
-(FeedServer), not as Ray streaming-generator items: a Ray item costs both ends far more CPU
-than a socket write and read, once per batch on the router's hot path. The router starts and
-aborts its requests over the same connection too, since a Ray call to start one would sit
-between the client's first token (prefill's) and its second. Ray still renews the feed's
-lease and tells the router where the feed is.
+The batches travel over a plain TCP connection from the actor to the router (FeedServer),
+not as Ray streaming-generator items: a Ray item costs both ends far more CPU than a socket
+write and read, once per batch on the router's hot path. The router starts and aborts its
+legs over the same connection too: a Ray call to start a decode leg would sit between the
+client's first token (prefill's) and its second, and one to prefill would wake idle threads
+at both ends before the prompt reaches the engine. Ray still renews the feed's lease and
+tells the router where the feed is.
 """
 
 from __future__ import annotations
@@ -20,21 +22,23 @@ import pickle
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Mapping
 
-from messages.requests import GenerateRequest
+from messages.errors import LegAbortedError
 from messages.results import (
     FEED_FRAME_HEADER_BYTES,
     FEED_HEARTBEAT_S,
     FEED_MAX_COMMAND_BYTES,
     FEED_TIMEOUT_S,
-    AbortLeg,
     FeedAddress,
+    FeedCommand,
     LegEvent,
-    StartLeg,
-    TokenChunk,
+    LegOutput,
 )
-from messages.transfer import TransferHandle
+
+# What a worker does with each kind of command a router sends: `handler(subscriber, command)`
+# starts or stops a leg in `subscriber`'s feed, or raises why not.
+FeedCommands = Mapping[type[FeedCommand], Callable[[str, Any], None]]
 
 
 @dataclass(slots=True)
@@ -53,7 +57,7 @@ class _Feed:
 
 
 class FeedHub:
-    """The feeds of one decode worker, and the requests ("legs") each one carries."""
+    """The feeds of one worker, and the requests ("legs") each one carries."""
 
     def __init__(self, timeout_s: float = FEED_TIMEOUT_S, heartbeat_s: float = FEED_HEARTBEAT_S) -> None:
         self._feeds: dict[str, _Feed] = {}
@@ -115,15 +119,16 @@ class FeedHub:
                 elif feed.sent_at < now - self._heartbeat_s:
                     feed.ready.set()
 
-    def start(self, subscriber: str, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
-        """Pump one request's chunks into its subscriber's feed."""
+    def start(self, subscriber: str, leg_id: str, outputs: AsyncIterator[LegOutput]) -> None:
+        """Pump one leg's outputs (a decode leg's token chunks, a prefill leg's one result)
+        into its subscriber's feed."""
         if leg_id in self._legs:
-            raise ValueError(f"request id {leg_id} is already being decoded here")
+            raise ValueError(f"request id {leg_id} already has a leg running here")
         if subscriber in self._closed:
             raise ConnectionError(f"the feed of {subscriber} has ended: open a new one to start requests")
         feed = self._feeds.setdefault(subscriber, _Feed())  # the feed may open just after
         feed.legs.add(leg_id)
-        task = asyncio.get_running_loop().create_task(self._pump(subscriber, feed, leg_id, chunks))
+        task = asyncio.get_running_loop().create_task(self._pump(subscriber, feed, leg_id, outputs))
         self._legs[leg_id] = task
 
     def requests_by_feed(self) -> tuple[tuple[str, int], ...]:
@@ -137,18 +142,21 @@ class FeedHub:
             feed.put(LegEvent(leg_id, error=error))
 
     def abort(self, leg_id: str) -> None:
-        """Stop one request: cancelling its pump closes its engine stream, which aborts it."""
+        """Stop one leg: cancelling its pump closes its engine stream, which aborts it; its
+        router hears a LegAbortedError (unless the leg had ended)."""
         task = self._legs.get(leg_id)
         if task is not None:
             task.cancel()
 
-    async def _pump(self, subscriber: str, feed: _Feed, leg_id: str, chunks: AsyncIterator[TokenChunk]) -> None:
+    async def _pump(self, subscriber: str, feed: _Feed, leg_id: str, outputs: AsyncIterator[LegOutput]) -> None:
         try:
-            async for chunk in chunks:
-                feed.put(LegEvent(leg_id, chunk=chunk))
+            async for output in outputs:
+                feed.put(LegEvent(leg_id, output))
         except asyncio.CancelledError:
-            pass  # aborted: whoever aborted it is not listening
-        except Exception as exc:  # the request's own failure, for its router to raise
+            # The last word a router that timed a prefill out waits for (a result that came
+            # first has blocks to free); a decode leg's router has stopped listening.
+            feed.put(LegEvent(leg_id, error=LegAbortedError(f"{leg_id} was aborted")))
+        except Exception as exc:  # the leg's own failure, for its router to raise
             feed.put(LegEvent(leg_id, error=exc))
         finally:
             feed.legs.discard(leg_id)
@@ -157,16 +165,16 @@ class FeedHub:
                 # Started for a router that never read this feed (it sent the request to a
                 # restarted actor): the request is over, its events have no reader.
                 del self._feeds[subscriber]
-            await chunks.aclose()
+            await outputs.aclose()
 
 
 class FeedServer:
     """Serves a FeedHub's feeds over TCP, one connection per router process: the router
-    sends its subscriber id, the feed's token and a newline, then StartLeg / AbortLeg frames,
-    and reads frames of batches (the first one empty: the feed is open) until either side
-    closes. A router that goes away closes the connection, which ends its feed and aborts
-    its requests at once (the feed's lease still covers a peer that vanishes without
-    closing it).
+    sends its subscriber id, the feed's token and a newline, then command frames (StartLeg,
+    StartPrefill, AbortLeg), and reads frames of batches (the first one empty: the feed is
+    open) until either side closes. A router that goes away closes the connection, which
+    ends its feed and aborts its legs at once (the feed's lease still covers a peer that
+    vanishes without closing it).
 
     The token comes from `address()`, which only callers of the actor (through Ray) reach:
     a peer without it is dropped after its hello line. Frames are pickles, as Ray's own are,
@@ -174,20 +182,12 @@ class FeedServer:
     message classes (anything else ends the connection), so a stray peer that got the token
     still cannot run code here."""
 
-    def __init__(
-        self,
-        hub: FeedHub,
-        host: str,
-        start_leg: Callable[[str, GenerateRequest, TransferHandle | None], None],
-        abort_leg: Callable[[str], None],
-        hello_timeout_s: float = 10.0,
-    ) -> None:
-        """`start_leg(subscriber, request, handle)` starts a request in `subscriber`'s feed
-        or raises why not; `abort_leg(leg_id)` stops one."""
+    def __init__(self, hub: FeedHub, host: str, commands: FeedCommands, hello_timeout_s: float = 10.0) -> None:
+        """`commands`: the worker's handler of each command it takes; a router sending
+        another kind loses its connection."""
         self._hub = hub
         self._host = host
-        self._start_leg = start_leg
-        self._abort_leg = abort_leg
+        self._commands = commands
         self._hello_timeout_s = hello_timeout_s
         self._token = secrets.token_hex(16)
         self._server: asyncio.Server | None = None
@@ -246,15 +246,13 @@ class FeedServer:
                     command = _load_command(payload)
                 except Exception:  # not a frame a router writes: end the connection, quietly
                     return
-                if isinstance(command, StartLeg):
-                    try:
-                        self._start_leg(subscriber, command.request, command.handle)
-                    except Exception as exc:  # refused: the request's own error, for its router
-                        self._hub.refuse(subscriber, command.request.request_id, exc)
-                elif isinstance(command, AbortLeg):
-                    self._abort_leg(command.leg_id)
-                else:
+                handler = self._commands.get(type(command))
+                if handler is None:
                     return
+                try:
+                    handler(subscriber, command)
+                except Exception as exc:  # refused: the leg's own error, for its router
+                    self._hub.refuse(subscriber, command.leg_id, exc)
         except (asyncio.IncompleteReadError, ConnectionError):
             return
 
