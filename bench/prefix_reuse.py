@@ -34,9 +34,13 @@ per later turn against what handing off their whole prompts moves (target <= 0.3
 
 `--rounds N` runs every system N times in turn, each from a fresh start, every other round in
 reverse order (this box drifts by tens of percent over minutes); each ratio is then taken
-within a round, the median first.
+within a round, the median first. `--baseline-tree DIR` runs every pdserve system chosen
+also with another checkout's code, in turn with the rest, and prints this tree's TTFT over
+it: a change measured side by side. pdserve's rows also give its router's mean queue phase
+(routing, and the prefill leg's start and answer).
 
     python -m bench.prefix_reuse [--rate 1 2 4] [--num-requests 40] [--rounds 3] [--smg PATH]
+                                 [--baseline-tree DIR]
     python -m bench.prefix_reuse --trace chat [--rate 0.5 1] [--smg PATH]
     python -m bench.prefix_reuse --trace chat-handoff [--rate 0.5 1]
 """
@@ -457,6 +461,9 @@ class Row:
     # Requests whose engine's prefix index predicted its hit within 5% (pdserve's router
     # metric; None where the system has no index or no request asked it).
     index_within_5pct: float | None = None
+    # pdserve's mean queue phase (router/metrics.py's pdserve_queue_seconds: arrival to the
+    # prompt's prefill start and back from its end, less the prefill engine's own time).
+    router_queue_ms: float | None = None
     unit: str = "req/s"  # what `rate` counts
     # Conversations: TTFT of the turns after each one's first, which can reuse its history.
     later_ttft_p50_ms: float | None = None
@@ -464,9 +471,7 @@ class Row:
     round: int | None = None  # of --rounds, where there are several
 
     @classmethod
-    def of(
-        cls, system: str, report: RunReport, index_within_5pct: float | None, trace: Trace, round_: int | None = None
-    ) -> "Row":
+    def of(cls, system: str, report: RunReport, router: RouterShare, trace: Trace, round_: int | None = None) -> "Row":
         s = report.summary
         done = [r for r in report.requests if r.completed]
         prompt = sum(r.prompt_tokens for r in done)
@@ -480,7 +485,8 @@ class Row:
             goodput_rps=s.goodput_rps,
             slo_attainment=s.slo_attainment,
             cached_share=sum(r.cached_tokens for r in done) / prompt if prompt else 0.0,
-            index_within_5pct=index_within_5pct,
+            index_within_5pct=router.index_within_5pct,
+            router_queue_ms=router.queue_ms,
             unit=trace.unit,
             later_ttft_p50_ms=_ms(later.p50),
             later_ttft_p90_ms=_ms(later.p90),
@@ -498,6 +504,7 @@ class Row:
             f" | goodput {self.goodput_rps:.2f} req/s ({self.slo_attainment:.0%})"
             f" | cached {self.cached_share:.0%}"
             + ("" if self.index_within_5pct is None else f" | index within 5%: {self.index_within_5pct:.0%}")
+            + ("" if self.router_queue_ms is None else f" | router queue {self.router_queue_ms:.1f} ms")
         )  # fmt: skip
 
 
@@ -505,8 +512,8 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1e3
 
 
-def _ratio(a: RunReport, b: RunReport) -> float:
-    return (a.summary.ttft_s.p50 or 0.0) / (b.summary.ttft_s.p50 or float("inf"))
+def _ratio(a: RunReport, b: RunReport, stat: str = "p50") -> float:
+    return (getattr(a.summary.ttft_s, stat) or 0.0) / (getattr(b.summary.ttft_s, stat) or float("inf"))
 
 
 def _fmt(ms: float | None) -> str:
@@ -551,6 +558,11 @@ class Served:
     decode: int = 1
     flags: str = ""
     smg_policy: str | None = None
+    tree: Path | None = None  # pdserve: run the code of this checkout (--baseline-tree)
+
+    def from_tree(self, tree: Path) -> Served:
+        """This pdserve system running another checkout's code."""
+        return dataclasses.replace(self, label=f"{self.label} (code from {tree})", tree=tree)
 
     def with_pool(self, engines: int) -> Served:
         """This system with its `{pool}` engines made `engines` (P/D systems keep their own)."""
@@ -589,7 +601,9 @@ def serving(served: Served, args: argparse.Namespace) -> Iterator[Endpoint]:
                 metrics_port = _free_port()
                 flags = f"{served.flags} {args.pdserve_flags} --kv-cache-bytes {kv_cache_bytes}"
                 flags += f" --metrics-port {metrics_port}"
-                system = pdserve(args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags)
+                system = pdserve(
+                    args.model, served.prefill, served.decode, args.pdserve_eager, flags=flags, tree=served.tree
+                )
                 started.append(system)
                 try:
                     system.wait_ready(timeout_s=600)
@@ -647,18 +661,44 @@ async def _samples(client: httpx.AsyncClient, metrics_url: str, name: str) -> li
     return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
 
 
-async def _predictions(client: httpx.AsyncClient, metrics_url: str | None) -> dict[str, float]:
-    """pdserve's router: requests by how its engines' prefix indexes predicted their hits."""
-    if metrics_url is None:
-        return {}
-    samples = await _samples(client, metrics_url, "pdserve_prefix_predictions_total")
-    return {sample.labels["outcome"]: sample.value for sample in samples}
+@dataclass(frozen=True, slots=True)
+class RouterShare:
+    """What pdserve's router says of one rate's requests (None for stock systems): the share
+    whose hit its engines' prefix indexes predicted within 5%, and its mean queue phase."""
+
+    index_within_5pct: float | None = None
+    queue_ms: float | None = None
 
 
-def _within_5pct(before: dict[str, float], after: dict[str, float]) -> float | None:
-    scored = {outcome: after[outcome] - before.get(outcome, 0.0) for outcome in after}
-    total = sum(scored.values())
-    return scored.get("within 5%", 0.0) / total if total else None
+@dataclass(frozen=True, slots=True)
+class RouterCounters:
+    """pdserve's router metrics at one moment; two readings give a run's RouterShare."""
+
+    predictions: dict[str, float]  # requests by how the prefix index predicted their hit
+    queue_s: float  # pdserve_queue_seconds' sum and count, every prompt bucket
+    queued: float
+
+    @classmethod
+    async def read(cls, client: httpx.AsyncClient, metrics_url: str | None) -> RouterCounters | None:
+        if metrics_url is None:
+            return None
+        text = (await client.get(metrics_url, timeout=10)).text
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        return cls(
+            {s.labels["outcome"]: s.value for s in samples if s.name == "pdserve_prefix_predictions_total"},
+            sum(s.value for s in samples if s.name == "pdserve_queue_seconds_sum"),
+            sum(s.value for s in samples if s.name == "pdserve_queue_seconds_count"),
+        )
+
+    def since(self, before: RouterCounters | None) -> RouterShare:
+        if before is None:
+            return RouterShare()
+        scored = {outcome: n - before.predictions.get(outcome, 0.0) for outcome, n in self.predictions.items()}
+        total, queued = sum(scored.values()), self.queued - before.queued
+        return RouterShare(
+            scored.get("within 5%", 0.0) / total if total else None,
+            1e3 * (self.queue_s - before.queue_s) / queued if queued else None,
+        )
 
 
 async def run_served(
@@ -667,9 +707,8 @@ async def run_served(
     trace: Trace,
     rates: list[float],
     args: argparse.Namespace,
-) -> list[tuple[RunReport, float | None]]:
-    """Each rate's report, and the share of its requests whose hit pdserve's index predicted
-    within 5% (None for stock systems)."""
+) -> list[tuple[RunReport, RouterShare]]:
+    """Each rate's report, and what pdserve's router says of its requests."""
     config = load_config(args)
     model = resolve_model(args.model)
     async with load_client() as client:
@@ -678,7 +717,7 @@ async def run_served(
         runs = []
         for rate in rates:
             label = f"{served.label} {rate:g} {trace.unit}"
-            before = await _predictions(client, endpoint.metrics_url)
+            before = await RouterCounters.read(client, endpoint.metrics_url)
             if isinstance(trace, ChatTrace):
                 report = await run_conversations(target, trace, rate, config, label, model)
             else:
@@ -686,7 +725,8 @@ async def run_served(
                 texts, lengths = text_prompts(prompts, model)
                 specs = [dataclasses.replace(spec, prompt_tokens=n) for spec, n in zip(specs, lengths)]
                 report = await run_workload(target, specs, config, label, rate, prompts=texts)
-            runs.append((report, _within_5pct(before, await _predictions(client, endpoint.metrics_url))))
+            after = await RouterCounters.read(client, endpoint.metrics_url)
+            runs.append((report, after.since(before) if after else RouterShare()))
             print(format_row(report), file=sys.stderr, flush=True)
         return runs
 
@@ -748,6 +788,12 @@ def main(argv: list[str] | None = None) -> int:
         help="run every system this many times, in turn, each from a fresh start, every other round in reverse "
         "order: this box's drift over minutes then lands on every system alike; ratios are taken within each round",
     )
+    parser.add_argument(
+        "--baseline-tree",
+        type=Path,
+        help="also run each pdserve system with this checkout's code (e.g. `git worktree add /tmp/base HEAD~1`), "
+        "in turn with the others, and print this tree's TTFT over it",
+    )
     add_load_args(parser, num_requests=40, time_limit_s=90.0, out=Path("bench/results/prefix_reuse.json"))
     args = parser.parse_args(argv)
     model = resolve_model(args.model)
@@ -755,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
         start_local()
         return _chat_handoff(model, ChatTrace(seed=args.seed), args.rate or [0.5, 1.0], args)
     chosen = {key: SERVED_SYSTEMS[key].with_pool(args.engines) for key in args.systems}
+    if args.baseline_tree:
+        pdserve_keys = [key for key, served in chosen.items() if served.smg_policy is None]
+        chosen.update({f"{key}@baseline": chosen[key].from_tree(args.baseline_tree) for key in pdserve_keys})
     if any(s.smg_policy for s in chosen.values()) and not shutil.which(args.smg):
         parser.error(f"--smg {args.smg}: not found; pip install smg (a virtual environment of its own will do)")
     trace: Trace
@@ -793,7 +842,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs = asyncio.run(run_served(served, endpoint, trace, args.rate, args))
             series[served.label] = [report for report, _ in runs]
             number = round_ if several else None
-            rows += [Row.of(served.label, report, within, trace, number) for report, within in runs]
+            rows += [Row.of(served.label, report, router, trace, number) for report, router in runs]
         rounds.append(series)
     write_json(args.out, {"trace": shape, "rounds": args.rounds, "rows": [asdict(r) for r in rows]})
     plot_cdfs(rounds[0], args.out.with_name(f"{args.out.stem}_cdf.png"))
@@ -820,6 +869,12 @@ def _print_ratios(rounds: list[dict[str, list[RunReport]]], chosen: dict[str, Se
     each system kept >= 90% of requests in SLO."""
     labels = {key: served.label for key, served in chosen.items()}
     stock_labels = [label for key, label in labels.items() if key.startswith("smg")]
+    for key in [key for key in labels if f"{key}@baseline" in labels]:
+        for i, mine in enumerate(rounds[0][labels[key]]):
+            base = [(series[labels[key]][i], series[labels[f"{key}@baseline"]][i]) for series in rounds]
+            p50 = _over_rounds([_ratio(ours, theirs) for ours, theirs in base])
+            p90 = _over_rounds([_ratio(ours, theirs, "p90") for ours, theirs in base])
+            print(f"{labels[key]} at {mine.rate:g} {unit}: TTFT / the baseline tree's: p50 {p50}, p90 {p90}")
     for key in ("aware", "aware-1p1d", "local-1p1d"):
         if key not in labels or not (stock_labels or (key == "aware" and "blind" in labels)):
             continue  # nothing to compare it with in this run

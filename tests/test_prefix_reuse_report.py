@@ -91,3 +91,26 @@ def test_engines_size_the_systems_without_a_prefill_pool_and_their_labels_say_so
     assert (aware.decode, aware.label) == (4, "pdserve colocated x4, cache-aware")
     assert (stock.decode, stock.label) == (4, "stock vLLM x4, SMG cache_aware")
     assert (pd.prefill, pd.decode, pd.label) == (1, 1, SERVED_SYSTEMS["aware-1p1d"].label)
+
+
+def test_a_baseline_trees_twin_is_compared_with_its_system_within_each_round(capsys):
+    from pathlib import Path
+
+    aware = SERVED_SYSTEMS["aware-1p1d"]
+    chosen = {"aware-1p1d": aware, "aware-1p1d@baseline": aware.from_tree(Path("/tmp/base"))}
+    new, base = aware.label, chosen["aware-1p1d@baseline"].label
+    assert base == f"{new} (code from /tmp/base)" and chosen["aware-1p1d@baseline"].tree == Path("/tmp/base")
+    rounds = [{new: [_report(new, 1.0, n)], base: [_report(base, 1.0, b)]} for n, b in ((0.045, 0.050), (0.09, 0.1))]
+    _print_ratios(rounds, chosen, "req/s")
+    out = capsys.readouterr().out
+    assert f"{new} at 1 req/s: TTFT / the baseline tree's: p50 0.90x (rounds 0.90, 0.90), p90 0.90x" in out
+
+
+def test_the_routers_readings_give_a_runs_prediction_share_and_mean_queue_phase():
+    from bench.prefix_reuse import RouterCounters, RouterShare
+
+    before = RouterCounters({"within 5%": 10.0, "over": 2.0}, queue_s=1.0, queued=12.0)
+    after = RouterCounters({"within 5%": 28.0, "over": 4.0}, queue_s=1.2, queued=52.0)
+    share = after.since(before)
+    assert share.index_within_5pct == 0.9 and abs(share.queue_ms - 5.0) < 1e-9
+    assert after.since(None) == RouterShare()  # a stock system: no router to read
