@@ -9,7 +9,7 @@ import logging
 import pickle
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from messages.errors import FeedLostError, LegStalledError
 from messages.requests import GenerateRequest
@@ -74,12 +74,22 @@ class WorkerFeed:
     the router also renews its lease there (which ends a feed whose router vanished without
     closing it)."""
 
-    def __init__(self, name: str, actor: Any, stall_timeout_s: float, first_event_timeout_s: float) -> None:
+    def __init__(
+        self,
+        name: str,
+        actor: Any,
+        stall_timeout_s: float,
+        first_event_timeout_s: float,
+        on_orphaned_prefill: Callable[[PrefillResult], None] = lambda result: None,
+    ) -> None:
+        """`on_orphaned_prefill(result)`: a prefill's result came after its leg had failed
+        (stalled: the feed was silent, then spoke again); its blocks wait for a decode."""
         self.name = name
         self.actor = actor
         self.subscriber = f"router-{uuid.uuid4().hex}"
         self._stall_timeout_s = stall_timeout_s
         self._first_event_timeout_s = first_event_timeout_s
+        self._on_orphaned_prefill = on_orphaned_prefill
         self._heard_at = time.monotonic()  # the feed's last frame (heartbeats included)
         self._legs: dict[str, LegInbox] = {}
         self._prefills: dict[str, asyncio.Future[PrefillResult]] = {}
@@ -213,6 +223,8 @@ class WorkerFeed:
                         inbox.put(event)
                     elif (result := self._prefills.pop(event.leg_id, None)) is not None:
                         _settle(result, event)
+                    elif isinstance(event.output, PrefillResult):
+                        self._on_orphaned_prefill(event.output)
                     # else: a decode leg whose request left and aborted it
         except asyncio.CancelledError:
             raise

@@ -461,7 +461,13 @@ class Orchestrator:
             if feed is not None:
                 feed.close()
             policy = self.policy
-            feed = WorkerFeed(member.name, member.actor, policy.stall_timeout_s, policy.prefill_timeout_s)
+            feed = WorkerFeed(
+                member.name,
+                member.actor,
+                policy.stall_timeout_s,
+                policy.prefill_timeout_s,
+                lambda orphan: self._release_soon(orphan.handle),
+            )
             self._feeds[member.name] = feed
         return feed
 
@@ -532,8 +538,13 @@ class Orchestrator:
             pending = feed.prefill(request)
             try:
                 return await asyncio.wait_for(asyncio.shield(pending), self.policy.prefill_timeout_s)
-            except (FeedLostError, LegStalledError):
-                raise  # the actor died or went silent: its blocks are gone, or its lease frees them
+            except FeedLostError:
+                raise  # the actor died: its blocks are gone
+            except LegStalledError:
+                # Silent (stuck, or cut off): should it speak again, the leg stops; a result
+                # that came first frees its blocks (the feed's orphaned prefill).
+                feed.abort_leg(request.request_id)
+                raise
             except asyncio.TimeoutError:
                 feed.abort_leg(request.request_id)  # its last word settles `pending`
                 self._release_when_done(pending)

@@ -395,6 +395,32 @@ def test_a_prefill_on_a_silent_feed_stalls():
     assert isinstance(stalled, LegStalledError) and "prefill-2 sent nothing" in str(stalled)
 
 
+def test_a_stalled_prefills_late_result_is_handed_over_to_free_its_blocks():
+    """The feed went silent (a partition): the prefill leg failed as stalled; when the feed
+    speaks again, its result, nobody's now, goes to the router to free the blocks it names."""
+    from messages.errors import LegStalledError
+    from messages.requests import GenerateRequest
+    from router.feeds import WorkerFeed
+
+    async def scenario():
+        actor, orphans = FeedActor(), []
+        feed = WorkerFeed("prefill-3", actor, 0.05, 60, on_orphaned_prefill=orphans.append)
+        pending = feed.prefill(GenerateRequest("p-late", (5, 6)))
+        await feed.opened()
+        await asyncio.sleep(0.1)  # no heartbeat within the stall timeout
+        feed.fail_stalled()
+        stalled = await asyncio.gather(pending, return_exceptions=True)
+        actor.prefill_gate.set()
+        while not orphans:
+            await asyncio.sleep(0.01)
+        feed.close()
+        return stalled[0], orphans
+
+    stalled, orphans = asyncio.run(scenario())
+    assert isinstance(stalled, LegStalledError)
+    assert [o.handle.request_id for o in orphans] == ["p-late"]
+
+
 def test_the_feed_port_drops_silent_peers_and_second_readers():
     from vllm_engine.feed import FeedServer
 

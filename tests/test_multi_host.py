@@ -389,6 +389,12 @@ def test_hosts_over_a_bridge_serve_and_survive_network_faults(sandbox, model_pat
     assert down.slowest_s >= LINK_DOWN_S - 1, "no request waited for the link"
     cut = once_streaming(lambda: hosts.drop("head", "decode-a", 100))
     under_load("decode-a cut off from the router (still reaches prefill)", during=cut)
+    # Before the requests come: every prefill leg's start is lost, so each one stalls, marks
+    # the prefill engine dead for the router and is prefilled on decode instead.
+    cut_prefill = under_load(
+        "prefill cut off from the router (still reaches decode)", before=lambda: hosts.drop("head", "prefill", 100)
+    )
+    assert cut_prefill.slowest_s >= STALL_TIMEOUT_S - 1, "no request waited for its prefill leg to stall"
     under_load("decode-a lost", during=once_streaming(lambda: hosts.lose("decode-a")))
     # At once: the prompts are then being routed to prefill or prefilled there.
     under_load("prefill host lost", during=lambda: hosts.lose("prefill"))
