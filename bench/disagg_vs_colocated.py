@@ -38,7 +38,7 @@ class Sample:
 
 @dataclass(frozen=True, slots=True)
 class Phases:
-    """Where a disaggregated request's time goes (medians, ms): routing and the Ray hop
+    """Where a disaggregated request's time goes (medians, ms): routing and the feed hop
     before prefill, the prefill engine (it samples the first token, so TTFT ends about
     here), and the handoff: prefill done -> decode's first token (the NIXL pull and one
     decode step; it lengthens the first inter-token gap)."""
@@ -141,7 +141,7 @@ def _print_row(r: Row) -> None:
         f"{r.prompt_tokens:>6} | TTFT colocated {r.colocated_ttft_ms:8.1f} ms  disagg {r.disagg_ttft_ms:8.1f} ms  "
         f"ratio {r.ttft_ratio:5.2f}x | decode colocated {r.colocated_decode_tps:6.1f} tok/s  "
         f"disagg {r.disagg_decode_tps:6.1f} tok/s  ratio {r.decode_ratio:5.2f}x | moved {r.disagg_bytes:,} B\n"
-        f"       disaggregated: routing + Ray hop {r.disagg_phases.queue_ms:.1f} ms, prefill engine "
+        f"       disaggregated: routing + feed hop {r.disagg_phases.queue_ms:.1f} ms, prefill engine "
         f"{r.disagg_phases.prefill_ms:.1f} ms, handoff to decode's first token {r.disagg_phases.transfer_ms:.1f} ms",
         flush=True,
     )

@@ -38,7 +38,7 @@ class Report:
     grpc_decode_tps: float  # as received by a gRPC client
     inprocess_ttft_ms: float
     grpc_ttft_ms: float
-    router_queue_ms: float  # routing + Ray hop before prefill starts (in-process path)
+    router_queue_ms: float  # routing + the prefill leg's start and answer (in-process path)
 
     @property
     def rate_ratio(self) -> float:
@@ -131,7 +131,7 @@ def main() -> None:
     print(
         f"TTFT: in-process orchestrator {report.inprocess_ttft_ms:.1f} ms, through gRPC "
         f"{report.grpc_ttft_ms:.1f} ms -> gRPC + router server add {report.added_ttft_ms:.1f} ms; "
-        f"routing + Ray hop before prefill {report.router_queue_ms:.1f} ms (target: total added <= 10 ms)"
+        f"routing + the prefill leg's start and answer {report.router_queue_ms:.1f} ms (target: total added <= 10 ms)"
     )
 
 

@@ -228,7 +228,7 @@ def describe(model: PerformanceModel, prompt: int = 1000) -> str:
                 f"       transfer of a {prompt}-token request {model.transfer_seconds(prompt) * 1e3:.1f} ms "
                 f"({model.layout.transfer_bytes(prompt):,} B; rms error {model.transfer.rms_relative_error:.0%})"
             ),
-            f"       serving path (gRPC, router, Ray hops) {model.serving_overhead_s * 1e3:.1f} ms per request",
+            f"       serving path (gRPC, router, feeds) {model.serving_overhead_s * 1e3:.1f} ms per request",
             (
                 "       host: engines have their cores to themselves"
                 if model.host is None

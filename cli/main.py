@@ -271,7 +271,7 @@ def _print_final(final) -> None:  # noqa: ANN001
             "prompt / completion tokens",
             f"{final.usage.prompt_tokens} / {final.usage.completion_tokens} ({final.finish_reason})",
         ),
-        ("queue (routing + Ray hop)", f"{t.queue_s * 1e3:.1f} ms"),
+        ("queue (routing + prefill feed)", f"{t.queue_s * 1e3:.1f} ms"),
         ("prefill", f"{t.prefill_s * 1e3:.1f} ms on {final.prefill_worker}"),
         ("time to first token (router)", f"{t.ttft_s * 1e3:.1f} ms"),
         ("handoff (NIXL pull + decode step)", f"{t.transfer_s * 1e3:.1f} ms on {final.decode_worker}"),

@@ -209,7 +209,7 @@ async def _served(config: DeploymentConfig) -> AsyncIterator[tuple[Deployment, g
 async def probe_transfer(channel: grpc.aio.Channel, config: ProbeConfig, result: ProbeResult) -> None:
     """Handoffs through the whole serving path, as clients use it (gRPC -> router -> prefill
     actor -> NIXL -> decode actor): transfer time against bytes, and what the path adds to
-    time to first token beyond the engines' work (gRPC, routing, Ray hops)."""
+    time to first token beyond the engines' work (gRPC, routing, the feeds)."""
     step = result.decode[0]["step_seconds"] if result.decode else 0.0
     for repeat in range(config.transfer_repeats):
         for length in config.transfer_lengths:
@@ -291,7 +291,7 @@ def report(result: ProbeResult) -> str:
         )
     if result.serving:
         overheads = [s["client_ttft_s"] - s["engine_s"] for s in result.serving]
-        lines.append(f"serving path (gRPC, router, Ray hops) adds {statistics.median(overheads) * 1e3:.1f} ms to TTFT")
+        lines.append(f"serving path (gRPC, router, feeds) adds {statistics.median(overheads) * 1e3:.1f} ms to TTFT")
     return "\n".join(lines)
 
 

@@ -68,7 +68,7 @@ class FeedLostError(ConnectionError):
 
 
 class LegAbortedError(RuntimeError):
-    """A worker stopped a leg at its router's word (the caller left, or its prefill timed out)."""
+    """A worker stopped a leg at its router's word (the caller left; its prefill timed out or stalled)."""
 
 
 class EngineDeadError(RuntimeError):

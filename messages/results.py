@@ -127,7 +127,7 @@ class StartPrefill(PicklesPositionally):
 
 @dataclass(frozen=True, slots=True)
 class AbortLeg(PicklesPositionally):
-    """A router's frame on its feed: stop `leg_id` (its caller left, or its prefill timed out)."""
+    """A router's frame on its feed: stop `leg_id` (its caller left; its prefill timed out or stalled)."""
 
     leg_id: str
 

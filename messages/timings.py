@@ -67,7 +67,7 @@ class LatencySummary:
 
 @dataclass(frozen=True, slots=True)
 class PhaseTimings:
-    queue_s: float  # router arrival -> prefill engine starts (routing, Ray hop)
+    queue_s: float  # router arrival -> prefill engine starts, and its answer back (routing, the feed)
     prefill_s: float  # prefill engine: prompt in -> blocks ready for transfer
     transfer_s: float  # prefill done -> decode's first token: NIXL pull of KV + state, one step
     ttft_s: float  # router arrival -> first token at the router

@@ -31,7 +31,7 @@ Three fits, all least squares with non-negative coefficients:
   The knee is found by search: the fit with the least squared error over candidate knees.
 - transfer: seconds = latency + bytes / bytes_per_s.
 - serving path: the median of client_ttft - engine_s, a fixed cost per request (gRPC,
-  routing, Ray hops) that delays what the client sees but occupies no engine; 0 when the
+  routing, the feeds) that delays what the client sees but occupies no engine; 0 when the
   probe has no serving rows.
 - host contention (CPU engines): busy cores outside the engines = background + CPU per
   token x tokens/s; engines then run 1 / (1 - that / engine cores) slower.

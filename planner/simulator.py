@@ -18,7 +18,7 @@ running + waiting requests. At a step boundary waiting prompts are prefilled fir
 priority; the running decodes stall meanwhile) while there is room under the batch limit;
 the prefill samples the first token.
 
-The serving path's fixed cost (model.serving_overhead_s: gRPC, routing, Ray hops) delays
+The serving path's fixed cost (model.serving_overhead_s: gRPC, routing, the feeds) delays
 every token the client sees by the same amount; it occupies no engine, so it adds to TTFT
 and end-to-end time and leaves inter-token times alone.
 
