@@ -655,10 +655,10 @@ async def _warm_up(target: HTTPTarget, config: LoadConfig, model: str) -> None:
     await warm_up(target, config, requests=list(zip(specs, texts)))
 
 
-async def _samples(client: httpx.AsyncClient, metrics_url: str, name: str) -> list[Any]:
-    """The current samples of metric `name` at a Prometheus endpoint."""
+async def _samples(client: httpx.AsyncClient, metrics_url: str, *names: str) -> list[Any]:
+    """The current samples of the metrics `names` at a Prometheus endpoint."""
     text = (await client.get(metrics_url, timeout=10)).text
-    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name == name]
+    return [s for family in text_string_to_metric_families(text) for s in family.samples if s.name in names]
 
 
 @dataclass(frozen=True, slots=True)
@@ -682,12 +682,16 @@ class RouterCounters:
     async def read(cls, client: httpx.AsyncClient, metrics_url: str | None) -> RouterCounters | None:
         if metrics_url is None:
             return None
-        text = (await client.get(metrics_url, timeout=10)).text
-        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+        predictions, queue_sum, queue_count = (
+            "pdserve_prefix_predictions_total",
+            "pdserve_queue_seconds_sum",
+            "pdserve_queue_seconds_count",
+        )
+        samples = await _samples(client, metrics_url, predictions, queue_sum, queue_count)
         return cls(
-            {s.labels["outcome"]: s.value for s in samples if s.name == "pdserve_prefix_predictions_total"},
-            sum(s.value for s in samples if s.name == "pdserve_queue_seconds_sum"),
-            sum(s.value for s in samples if s.name == "pdserve_queue_seconds_count"),
+            {s.labels["outcome"]: s.value for s in samples if s.name == predictions},
+            sum(s.value for s in samples if s.name == queue_sum),
+            sum(s.value for s in samples if s.name == queue_count),
         )
 
     def since(self, before: RouterCounters | None) -> RouterShare:
